@@ -1,0 +1,243 @@
+"""Inference backends (ONNX Runtime, OpenVINO) behind one small interface.
+
+Thread counts are always explicit: the runtimes size their pools from the machine, not from the
+process's cpuset or cgroup quota. ONNX Runtime spinning is off (cores may be shared), and OpenVINO's
+own thread pinning is off (reamer pins the process). The runtimes are imported only when a backend is
+opened, so a worker can set its CPU affinity first.
+"""
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from reamer.host.errors import ReamerError
+from reamer.serve.tensors import TensorInfo, numpy_to_v2, ort_type_to_v2, v2_to_numpy
+
+__all__ = ["BACKENDS", "Backend", "BackendError", "TensorInfo", "open_backend", "sample_inputs"]
+
+BACKENDS: tuple[str, ...] = ("onnxruntime", "openvino")
+
+# dynamic dimensions other than the batch axis get this size in sample_inputs unless told otherwise
+DEFAULT_DYNAMIC_DIM = 16
+# random integer inputs (token ids, indices) are drawn from [0, SAMPLE_INT_HIGH)
+SAMPLE_INT_HIGH = 10
+
+
+class BackendError(ReamerError):
+    """A backend cannot be opened, or a request does not fit the model."""
+
+
+class Backend(ABC):
+    """One loaded model, ready to run batches on this process's CPUs."""
+
+    kind: str
+    model_path: str
+    threads: int
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch: every model input by name; returns every output by name."""
+        return self._run(self._check_inputs(inputs))
+
+    @abstractmethod
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "Backend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _expected(self) -> str:
+        return "; ".join(f"{t.name}: {t.datatype} {t.shape}" for t in self.inputs)
+
+    def _check_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = {t.name for t in self.inputs}
+        given = set(inputs)
+        if given != names:
+            missing, extra = sorted(names - given), sorted(given - names)
+            problem = ", ".join(p for p in (f"missing {missing}" if missing else "",
+                                            f"unexpected {extra}" if extra else "") if p)
+            raise BackendError(f"model {os.path.basename(self.model_path)}: wrong input names ({problem})",
+                               f"send exactly these inputs — {self._expected()}")
+        checked: dict[str, np.ndarray] = {}
+        batch: int | None = None
+        for info in self.inputs:
+            arr = np.asarray(inputs[info.name])
+            ok_rank = arr.ndim == len(info.shape)
+            ok_dims = ok_rank and all(want in (-1, got) for want, got in zip(info.shape, arr.shape))
+            if not ok_dims:
+                raise BackendError(
+                    f"model {os.path.basename(self.model_path)}: input {info.name!r} has shape {list(arr.shape)}, "
+                    f"expected {info.shape} (-1 = any size)",
+                    f"send inputs with these shapes — {self._expected()}")
+            if arr.ndim and info.shape[0] == -1:
+                if batch is not None and arr.shape[0] != batch:
+                    raise BackendError(
+                        f"inputs disagree on the batch size ({batch} vs {arr.shape[0]} for {info.name!r})",
+                        "give every input the same first (batch) dimension")
+                batch = arr.shape[0]
+            want = v2_to_numpy(info.datatype)
+            if arr.dtype != want:
+                if not np.can_cast(arr.dtype, want, casting="same_kind") and not (
+                        arr.dtype.kind in "iub" and want.kind in "iuf"):
+                    raise BackendError(
+                        f"input {info.name!r} has dtype {arr.dtype}, expected {info.datatype}",
+                        f"send {info.name!r} as {info.datatype}")
+                arr = arr.astype(want)
+            checked[info.name] = np.ascontiguousarray(arr)
+        return checked
+
+
+class OnnxRuntimeBackend(Backend):
+    kind = "onnxruntime"
+
+    def __init__(self, model_path: str, threads: int) -> None:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        opts.log_severity_level = 3  # errors only: shape-merge warnings are noise here
+        try:
+            self._session = ort.InferenceSession(model_path, sess_options=opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
+            raise BackendError(f"ONNX Runtime cannot load {model_path}: {exc}",
+                               "check that the file is a valid ONNX model (reamer models build NAME --out FILE)") from None
+        self.model_path, self.threads = model_path, threads
+        self.inputs = [TensorInfo(i.name, ort_type_to_v2(i.type), _dims(i.shape)) for i in self._session.get_inputs()]
+        self.outputs = [TensorInfo(o.name, ort_type_to_v2(o.type), _dims(o.shape)) for o in self._session.get_outputs()]
+        self._output_names = [o.name for o in self.outputs]
+
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = self._session.run(self._output_names, inputs)
+        return dict(zip(self._output_names, values))
+
+    def close(self) -> None:
+        self._session = None  # type: ignore[assignment]
+
+
+class OpenVinoBackend(Backend):
+    kind = "openvino"
+
+    def __init__(self, model_path: str, threads: int) -> None:
+        import openvino as ov
+        import openvino.properties as props
+        import openvino.properties.hint as hints
+
+        core = ov.Core()
+        try:
+            model = core.read_model(model_path)
+        except Exception as exc:
+            raise BackendError(f"OpenVINO cannot read {model_path}: {exc}",
+                               "check that the file is a valid ONNX or OpenVINO IR model") from None
+        # make the batch axis dynamic where the file fixed it, so batches of any size run
+        new_shapes = {}
+        for port in model.inputs:
+            ps = port.get_partial_shape()
+            if ps.rank.is_static and len(ps) > 0 and ps[0].is_static:
+                dims = [ov.Dimension()] + [ps[i] for i in range(1, len(ps))]
+                new_shapes[port.get_any_name()] = ov.PartialShape(dims)
+        if new_shapes:
+            model.reshape(new_shapes)
+        # compiling may add fused-node names to a port; the read model keeps the file's names, in order
+        in_names = [p.get_any_name() for p in model.inputs]
+        out_names = [p.get_any_name() for p in model.outputs]
+        config = {
+            props.inference_num_threads(): threads,
+            props.hint.enable_cpu_pinning(): False,
+            hints.inference_precision(): ov.Type.f32,
+            props.num_streams(): 1,
+            hints.performance_mode(): hints.PerformanceMode.LATENCY,
+        }
+        try:
+            self._compiled = core.compile_model(model, "CPU", config)
+        except Exception as exc:
+            raise BackendError(f"OpenVINO cannot compile {model_path} for CPU: {exc}",
+                               "try the onnxruntime backend (--backend onnxruntime)") from None
+        self._request = self._compiled.create_infer_request()
+        self.model_path, self.threads = model_path, threads
+        self.inputs = [_ov_info(n, p) for n, p in zip(in_names, self._compiled.inputs)]
+        self.outputs = [_ov_info(n, p) for n, p in zip(out_names, self._compiled.outputs)]
+        self._out_ports = list(self._compiled.outputs)
+
+    def property(self, name: str) -> Any:
+        """A compiled-model property (e.g. "INFERENCE_NUM_THREADS"), to check what OpenVINO applied."""
+        return self._compiled.get_property(name)
+
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        result = self._request.infer([inputs[info.name] for info in self.inputs])
+        # the request reuses its output buffers: copy before the next batch overwrites them
+        return {info.name: np.array(result[port]) for info, port in zip(self.outputs, self._out_ports)}
+
+    def close(self) -> None:
+        self._request = None
+        self._compiled = None
+
+
+def _dims(shape: list) -> list[int]:
+    return [d if isinstance(d, int) and d >= 0 else -1 for d in shape]
+
+
+def _ov_info(name: str, port: Any) -> TensorInfo:
+    ps = port.get_partial_shape()
+    dims = [d.get_length() if d.is_static else -1 for d in ps] if ps.rank.is_static else []
+    return TensorInfo(name, numpy_to_v2(port.get_element_type().to_dtype()), dims)
+
+
+def open_backend(kind: str, model_path: str | os.PathLike, threads: int) -> Backend:
+    """Load `model_path` with backend `kind` ("onnxruntime" | "openvino") using exactly `threads` threads."""
+    if kind not in BACKENDS:
+        raise BackendError(f"unknown backend {kind!r}", f"choose one of: {', '.join(BACKENDS)}")
+    if not isinstance(threads, int) or threads < 1:
+        raise BackendError(f"threads must be a positive integer, got {threads!r}",
+                           "pass the number of cores the instance owns")
+    path = os.fspath(model_path)
+    if not os.path.isfile(path):
+        raise BackendError(f"model file {path} does not exist", "build one with `reamer models build NAME --out FILE`")
+    cls = OnnxRuntimeBackend if kind == "onnxruntime" else OpenVinoBackend
+    return cls(path, threads)
+
+
+def sample_inputs(backend: Backend, batch: int, rng: np.random.Generator | None = None,
+                  dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Random inputs for one batch: floats ~N(0,1), integers in [0, 10), masks (name contains "mask") all 1.
+
+    The first dynamic axis of each input is the batch; other dynamic axes take `dims[input name]`
+    (default 16).
+    """
+    rng = rng if rng is not None else np.random.default_rng(0)
+    dims = dims or {}
+    feeds: dict[str, np.ndarray] = {}
+    for info in backend.inputs:
+        shape = []
+        for axis, d in enumerate(info.shape):
+            if d >= 0:
+                shape.append(d)
+            elif axis == 0:
+                shape.append(batch)
+            else:
+                shape.append(int(dims.get(info.name, DEFAULT_DYNAMIC_DIM)))
+        dt = v2_to_numpy(info.datatype)
+        if "mask" in info.name.lower() and dt.kind in "iub":
+            feeds[info.name] = np.ones(shape, dtype=dt)
+        elif dt.kind == "b":
+            feeds[info.name] = rng.integers(0, 2, shape).astype(dt)
+        elif dt.kind in "iu":
+            feeds[info.name] = rng.integers(0, SAMPLE_INT_HIGH, shape).astype(dt)
+        elif dt.kind == "f":
+            feeds[info.name] = rng.standard_normal(shape).astype(dt)
+        else:
+            raise BackendError(f"cannot make sample data for input {info.name!r} of type {info.datatype}",
+                               "provide the inputs yourself")
+    return feeds

@@ -1,0 +1,319 @@
+"""Measure a model's throughput and latency on given CPUs, the way perf_analyzer does.
+
+Each instance runs in its own worker process (`python -m reamer.serve.profiler --worker CONFIG`)
+that pins itself to its CPUs *before* importing numpy or the runtime, so every runtime thread
+inherits the affinity. The worker loads the model with threads = its cores, warms up (discarded),
+says READY, waits for GO, then runs closed-loop batches in windows:
+
+- point mode: windows until the throughput of the last three is stable (each within `stability`,
+  10 % by default, of their mean) or `max_windows` is reached; throughput = mean of the last three;
+- fixed mode (whole layouts): exactly `fixed_windows` windows, all instances started together.
+
+p99 is pooled over the batch latencies of all measured windows. Top-level imports here are
+standard library only, because this module is also the worker's entry point.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from reamer.host.errors import ReamerError
+
+if TYPE_CHECKING:
+    from reamer.plan.partition import ProfilePoint
+
+
+class ProfileError(ReamerError):
+    """A measurement could not be made."""
+
+
+@dataclass
+class WorkerConfig:
+    model_path: str
+    backend: str
+    cpus: list[int]
+    threads: int
+    batch: int
+    warmup_s: float = 1.0
+    window_s: float = 0.5
+    max_windows: int = 10
+    stability: float = 0.10
+    fixed_windows: int | None = None
+    seed: int = 0
+
+
+@dataclass
+class WorkerResult:
+    cpus: list[int]
+    threads: int
+    batch: int
+    window_rps: list[float] = field(default_factory=list)
+    latencies_ms: list[float] = field(default_factory=list)
+    stable: bool = False
+    samples: int = 0
+    measured_s: float = 0.0
+
+    @property
+    def throughput_rps(self) -> float:
+        """Samples/s: mean of the last three windows (point mode) or over all windows (fixed mode)."""
+        last = self.window_rps[-3:]
+        return sum(last) / len(last) if last else 0.0
+
+    @property
+    def overall_rps(self) -> float:
+        return self.samples / self.measured_s if self.measured_s > 0 else 0.0
+
+
+@dataclass
+class LayoutMeasurement:
+    throughput_rps: float  # sum over instances
+    p99_ms: float  # pooled over every batch of every instance
+    instances: list[WorkerResult]
+
+
+def window_is_stable(window_rps: Sequence[float], stability: float = 0.10) -> bool:
+    """True when the last three windows are each within `stability` (fraction) of their mean."""
+    if len(window_rps) < 3:
+        return False
+    last = window_rps[-3:]
+    mean = sum(last) / 3
+    return mean > 0 and all(abs(x - mean) <= stability * mean for x in last)
+
+
+def p99(latencies_ms: Sequence[float]) -> float:
+    import numpy as np
+
+    return float(np.percentile(latencies_ms, 99)) if len(latencies_ms) else float("nan")
+
+
+class ProfileWorker:
+    """One pinned worker process: start -> wait_ready() -> go() -> result()."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        env = dict(os.environ)
+        env.update({"OMP_NUM_THREADS": str(config.threads), "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        self._stderr = tempfile.TemporaryFile(mode="w+b")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "reamer.serve.profiler", "--worker", json.dumps(asdict(config))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env, text=True, bufsize=1)
+        self.pid = self.proc.pid
+        self.ready_info: dict[str, Any] = {}
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def _next(self, deadline: float, waiting_for: str) -> tuple[str, Any]:
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise ProfileError(f"profile worker on cpus {self.config.cpus} sent no {waiting_for} in time",
+                                   "give it a longer timeout, fewer windows, or a smaller batch") from None
+            if line is None:
+                raise ProfileError(
+                    f"profile worker on cpus {self.config.cpus} exited ({self.proc.wait()}) before {waiting_for}: "
+                    f"{self.stderr_tail()}", "check the model file and backend; the worker's stderr is above")
+            tag, _, payload = line.partition(" ")
+            if tag == "ERROR":
+                err = json.loads(payload)
+                raise ProfileError(err["message"], err.get("fix", ""))
+            if tag in ("READY", "RESULT"):
+                return tag, json.loads(payload)
+            # anything else is stray output from a runtime: ignore it
+
+    def stderr_tail(self, chars: int = 2000) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-chars:].strip()
+
+    def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        _, self.ready_info = self._next(time.monotonic() + timeout_s, "READY")
+        return self.ready_info
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("GO\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout_s: float = 300.0) -> WorkerResult:
+        _, data = self._next(time.monotonic() + timeout_s, "RESULT")
+        self.proc.wait(timeout=30)
+        return WorkerResult(**data)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=30)
+        finally:
+            for stream in (self.proc.stdin, self.proc.stdout):
+                try:
+                    if stream:
+                        stream.close()
+                except OSError:
+                    pass
+            self._stderr.close()
+
+    def __enter__(self) -> "ProfileWorker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _usable_cpus(cpus: Sequence[int] | None, needed: int) -> list[int]:
+    allowed = sorted(os.sched_getaffinity(0))
+    chosen = list(cpus) if cpus is not None else allowed
+    bad = sorted(set(chosen) - set(allowed))
+    if bad:
+        raise ProfileError(f"cpus {bad} are not available to this process (allowed: {allowed})",
+                           "pass cpus from the allowed set")
+    if len(set(chosen)) != len(chosen):
+        raise ProfileError(f"cpus {chosen} list a cpu twice", "pass distinct cpus")
+    if needed > len(chosen):
+        raise ProfileError(f"the measurement needs {needed} cores but only {len(chosen)} cpus were given ({chosen})",
+                           "use fewer cores or pass more cpus")
+    return chosen
+
+
+def _run_workers(configs: list[WorkerConfig], timeout_s: float) -> list[WorkerResult]:
+    workers: list[ProfileWorker] = []
+    try:
+        for cfg in configs:
+            workers.append(ProfileWorker(cfg))
+        deadline = time.monotonic() + timeout_s
+        for w in workers:
+            w.wait_ready(max(1.0, deadline - time.monotonic()))
+        for w in workers:  # start together, after every model is loaded and warm
+            w.go()
+        return [w.result(max(1.0, deadline - time.monotonic())) for w in workers]
+    finally:
+        for w in workers:
+            w.close()
+
+
+def measure_point(model_path: str | os.PathLike, backend: str, cores: int, batch: int,
+                  cpus: Sequence[int] | None = None, *, warmup_s: float = 1.0, window_s: float = 0.5,
+                  max_windows: int = 10, stability: float = 0.10, timeout_s: float = 600.0) -> "ProfilePoint":
+    """One instance with `cores` cores (threads = cores) and batch `batch`, alone on the first `cores` of `cpus`."""
+    from reamer.plan.partition import ProfilePoint
+
+    if cores < 1 or batch < 1:
+        raise ProfileError(f"cores ({cores}) and batch ({batch}) must be >= 1", "pass positive values")
+    chosen = _usable_cpus(cpus, cores)[:cores]
+    cfg = WorkerConfig(os.fspath(model_path), backend, chosen, cores, batch, warmup_s, window_s,
+                       max(3, max_windows), stability)
+    (res,) = _run_workers([cfg], timeout_s)
+    return ProfilePoint(cores=cores, batch=batch, throughput_rps=res.throughput_rps, p99_ms=p99(res.latencies_ms))
+
+
+def measure_layout_detail(model_path: str | os.PathLike, backend: str, layout: Any, cpus: Sequence[int], *,
+                          warmup_s: float = 1.0, window_s: float = 0.5, windows: int = 4,
+                          timeout_s: float = 600.0) -> LayoutMeasurement:
+    """Run every instance of `layout` (a plan.layout.Layout) together on disjoint slices of `cpus`."""
+    instances = list(layout.instances)
+    chosen = _usable_cpus(cpus, sum(i.cores for i in instances))
+    configs, start = [], 0
+    for inst in instances:
+        threads = getattr(inst, "threads", None) or inst.cores
+        configs.append(WorkerConfig(os.fspath(model_path), backend, chosen[start:start + inst.cores], threads,
+                                    inst.batch, warmup_s, window_s, windows, 0.0, fixed_windows=max(1, windows)))
+        start += inst.cores
+    results = _run_workers(configs, timeout_s)
+    pooled = [lat for r in results for lat in r.latencies_ms]
+    return LayoutMeasurement(sum(r.overall_rps for r in results), p99(pooled), results)
+
+
+def measure_layout(model_path: str | os.PathLike, backend: str, layout: Any, cpus: Sequence[int],
+                   **kwargs: Any) -> tuple[float, float]:
+    """(total samples/s, pooled batch-latency p99 ms) of `layout` running together on `cpus`."""
+    m = measure_layout_detail(model_path, backend, layout, cpus, **kwargs)
+    return m.throughput_rps, m.p99_ms
+
+
+def point_measurer(model_path: str | os.PathLike, backend: str, cpus: Sequence[int] | None = None,
+                   **kwargs: Any) -> Callable[[int, int], "ProfilePoint"]:
+    """`measure(cores, batch)` for plan.search.quick_search."""
+    return lambda cores, batch: measure_point(model_path, backend, cores, batch, cpus, **kwargs)
+
+
+def layout_verifier(model_path: str | os.PathLike, backend: str, cpus: Sequence[int],
+                    **kwargs: Any) -> Callable[[Any], tuple[float, float]]:
+    """`verify(layout) -> (rps, p99_ms)` for plan.search.quick_search."""
+    return lambda layout: measure_layout(model_path, backend, layout, cpus, **kwargs)
+
+
+# --- worker side ------------------------------------------------------------------------------------
+
+def _emit(tag: str, payload: dict) -> None:
+    sys.stdout.write(f"{tag} {json.dumps(payload)}\n")
+    sys.stdout.flush()
+
+
+def _worker_main(config_json: str) -> int:
+    cfg = WorkerConfig(**json.loads(config_json))
+    os.sched_setaffinity(0, cfg.cpus)  # before numpy/runtime create their thread pools
+
+    import numpy as np
+
+    from reamer.serve.backends import open_backend, sample_inputs
+
+    try:
+        backend = open_backend(cfg.backend, cfg.model_path, cfg.threads)
+        feeds = sample_inputs(backend, cfg.batch, np.random.default_rng(cfg.seed))
+        backend.run(feeds)
+    except ReamerError as exc:
+        _emit("ERROR", {"message": exc.message, "fix": exc.fix})
+        return 2
+    warm_until = time.perf_counter() + cfg.warmup_s
+    while time.perf_counter() < warm_until:
+        backend.run(feeds)
+    _emit("READY", {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "threads": cfg.threads})
+    if sys.stdin.readline().strip() != "GO":
+        return 0  # parent went away
+    res = WorkerResult(cfg.cpus, cfg.threads, cfg.batch)
+    limit = cfg.fixed_windows or cfg.max_windows
+    began = time.perf_counter()
+    while len(res.window_rps) < limit:
+        w_start = now = time.perf_counter()
+        n = 0
+        while now - w_start < cfg.window_s:
+            backend.run(feeds)
+            done = time.perf_counter()
+            res.latencies_ms.append((done - now) * 1e3)
+            n += cfg.batch
+            now = done
+        res.window_rps.append(n / (now - w_start))
+        res.samples += n
+        if cfg.fixed_windows is None and window_is_stable(res.window_rps, cfg.stability):
+            res.stable = True
+            break
+    res.measured_s = time.perf_counter() - began
+    backend.close()
+    _emit("RESULT", asdict(res))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--worker":
+        return _worker_main(argv[1])
+    sys.stderr.write("usage: python -m reamer.serve.profiler --worker CONFIG_JSON (started by reamer itself)\n")
+    return 64
+
+
+if __name__ == "__main__":
+    sys.exit(main())

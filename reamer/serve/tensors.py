@@ -1,0 +1,113 @@
+"""Tensor metadata and dtype names: ONNX element types, numpy dtypes, KServe v2 datatypes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from onnx import TensorProto
+
+from reamer.host.errors import ReamerError
+
+# KServe v2 / Open Inference Protocol datatype names, with the numpy dtype and ONNX element type of each.
+_V2_TABLE: tuple[tuple[str, np.dtype, int], ...] = (
+    ("BOOL", np.dtype(np.bool_), TensorProto.BOOL),
+    ("UINT8", np.dtype(np.uint8), TensorProto.UINT8),
+    ("UINT16", np.dtype(np.uint16), TensorProto.UINT16),
+    ("UINT32", np.dtype(np.uint32), TensorProto.UINT32),
+    ("UINT64", np.dtype(np.uint64), TensorProto.UINT64),
+    ("INT8", np.dtype(np.int8), TensorProto.INT8),
+    ("INT16", np.dtype(np.int16), TensorProto.INT16),
+    ("INT32", np.dtype(np.int32), TensorProto.INT32),
+    ("INT64", np.dtype(np.int64), TensorProto.INT64),
+    ("FP16", np.dtype(np.float16), TensorProto.FLOAT16),
+    ("FP32", np.dtype(np.float32), TensorProto.FLOAT),
+    ("FP64", np.dtype(np.float64), TensorProto.DOUBLE),
+    ("BYTES", np.dtype(np.object_), TensorProto.STRING),
+)
+
+V2_DATATYPES: tuple[str, ...] = tuple(row[0] for row in _V2_TABLE)
+_BY_V2 = {name: (dt, et) for name, dt, et in _V2_TABLE}
+_V2_BY_NUMPY = {dt: name for name, dt, _ in _V2_TABLE}
+_V2_BY_ONNX = {et: name for name, _, et in _V2_TABLE}
+
+
+class UnsupportedDatatype(ReamerError):
+    """A tensor element type that reamer cannot carry over the v2 protocol."""
+
+
+@dataclass
+class TensorInfo:
+    """One model input or output: v2 datatype name and shape (-1 marks a dynamic dimension)."""
+
+    name: str
+    datatype: str
+    shape: list[int] = field(default_factory=list)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return v2_to_numpy(self.datatype)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+def _unsupported(what: object) -> UnsupportedDatatype:
+    return UnsupportedDatatype(
+        f"tensor element type {what!r} has no KServe v2 datatype",
+        f"use one of {', '.join(V2_DATATYPES)} in the model's inputs and outputs",
+    )
+
+
+def v2_to_numpy(datatype: str) -> np.dtype:
+    try:
+        return _BY_V2[datatype.upper()][0]
+    except KeyError:
+        raise _unsupported(datatype) from None
+
+
+def v2_to_onnx(datatype: str) -> int:
+    try:
+        return _BY_V2[datatype.upper()][1]
+    except KeyError:
+        raise _unsupported(datatype) from None
+
+
+def numpy_to_v2(dtype: np.dtype | type | str) -> str:
+    dt = np.dtype(dtype)
+    if dt.kind in ("U", "S", "O"):
+        return "BYTES"
+    try:
+        return _V2_BY_NUMPY[dt]
+    except KeyError:
+        raise _unsupported(str(dt)) from None
+
+
+def onnx_to_v2(elem_type: int) -> str:
+    try:
+        return _V2_BY_ONNX[elem_type]
+    except KeyError:
+        raise _unsupported(TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else elem_type) from None
+
+
+def onnx_to_numpy(elem_type: int) -> np.dtype:
+    return v2_to_numpy(onnx_to_v2(elem_type))
+
+
+def numpy_to_onnx(dtype: np.dtype | type | str) -> int:
+    return v2_to_onnx(numpy_to_v2(dtype))
+
+
+# ONNX Runtime reports types as strings like "tensor(float)".
+_ORT_NAMES = {
+    "tensor(bool)": "BOOL", "tensor(uint8)": "UINT8", "tensor(uint16)": "UINT16", "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64", "tensor(int8)": "INT8", "tensor(int16)": "INT16", "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64", "tensor(float16)": "FP16", "tensor(float)": "FP32", "tensor(double)": "FP64",
+    "tensor(string)": "BYTES",
+}
+
+
+def ort_type_to_v2(type_str: str) -> str:
+    try:
+        return _ORT_NAMES[type_str]
+    except KeyError:
+        raise _unsupported(type_str) from None
