@@ -1,0 +1,48 @@
+"""Admission of an online job (Cloud Reamer §III-C): take it only if the spare cores can carry its
+request rate within its latency SLO, with a safety margin."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reamer.plan.partition import Candidate
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    accepted: bool
+    achievable_rps: float  # what the layout can carry after the margin
+    reason: str
+
+
+def admit(candidate: Candidate | None, rate_rps: float, slo_ms: float, margin: float = 0.10) -> AdmissionDecision:
+    """Accept iff the layout's throughput × (1 − margin) ≥ `rate_rps` and its p99 ≤ `slo_ms`.
+    Measured figures are used when the candidate was verified, predicted ones otherwise."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"admission margin must be in [0, 1), got {margin}")
+    if rate_rps < 0 or slo_ms <= 0:
+        raise ValueError(f"rate must be ≥ 0 and SLO > 0, got rate {rate_rps} rps, SLO {slo_ms} ms")
+    if candidate is None:
+        return AdmissionDecision(
+            False, 0.0,
+            f"no layout on the free cores meets the {slo_ms:g} ms SLO; deploy the job on another node, "
+            "relax the SLO, or free cores (detach a training job)",
+        )
+    achievable = candidate.rps * (1.0 - margin)
+    if candidate.p99_ms > slo_ms:
+        return AdmissionDecision(
+            False, achievable,
+            f"layout {candidate.layout} has p99 {candidate.p99_ms:.1f} ms, over the {slo_ms:g} ms SLO; "
+            "deploy the job on another node, relax the SLO, or free cores",
+        )
+    if achievable < rate_rps:
+        return AdmissionDecision(
+            False, achievable,
+            f"layout {candidate.layout} can carry {achievable:.1f} rps within the {slo_ms:g} ms SLO "
+            f"({candidate.rps:.1f} rps less a {margin:.0%} margin), below the requested {rate_rps:g} rps; "
+            f"deploy the job on another node, lower the rate to ≤ {achievable:.1f} rps, or free cores",
+        )
+    return AdmissionDecision(
+        True, achievable,
+        f"layout {candidate.layout} carries {achievable:.1f} rps (with a {margin:.0%} margin) ≥ {rate_rps:g} rps "
+        f"at p99 {candidate.p99_ms:.1f} ms ≤ {slo_ms:g} ms",
+    )

@@ -1,0 +1,355 @@
+"""Layout search (Cloud Reamer §III-B, faster): measure a few single-instance points, solve the
+partition exactly, verify the best few layouts with all instances running together.
+
+`measure(cores, batch)` runs one instance alone and returns a ProfilePoint; `verify(layout)` runs a
+whole layout and returns (throughput rps, p99 ms). Both are supplied by the caller (the profiler on
+a real host, the simulator in tests), so this module stays pure.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+from reamer.plan.layout import InstanceShape, Layout, count_layouts
+from reamer.plan.partition import Candidate, NoFeasibleLayout, ProfilePoint, best_partitions, usable_points
+
+MeasureFn = Callable[[int, int], ProfilePoint]
+VerifyFn = Callable[[Layout], tuple[float, float]]
+ProgressFn = Callable[[int, int, str], None]
+
+DEFAULT_BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class SearchResult:
+    best: Candidate | None  # None: nothing meets the SLO on these cores
+    candidates: list[Candidate]  # best first; verified ones carry measured_rps / measured_p99_ms
+    measured: int  # single-instance measurements + layout verifications run
+    space: int  # count_layouts(n_cores, batches): what an exhaustive search would run
+    measurements: list[ProfilePoint] = field(default_factory=list)
+    note: str = ""
+
+
+def _no_progress(done: int, total: int, label: str) -> None:
+    return None
+
+
+def _check(n_cores: int, batches: Sequence[int]) -> tuple[int, ...]:
+    if n_cores < 1:
+        raise ValueError(f"a search needs at least 1 core, got {n_cores}")
+    ordered = tuple(sorted(set(batches)))
+    if not ordered or ordered[0] < 1:
+        raise ValueError(f"batch choices must be positive integers, got {list(batches)}")
+    return ordered
+
+
+def _meets(p99_ms: float, slo_ms: float | None) -> bool:
+    return slo_ms is None or p99_ms <= slo_ms
+
+
+class _Recorder:
+    """Counts and reports measurements; remembers points so none is measured twice."""
+
+    def __init__(self, measure: MeasureFn, progress: ProgressFn, total: int) -> None:
+        self.measure_fn, self.progress, self.total = measure, progress, total
+        self.points: dict[tuple[int, int], ProfilePoint] = {}
+        self.done = 0
+
+    def point(self, cores: int, batch: int) -> ProfilePoint:
+        if (cores, batch) not in self.points:
+            self.total = max(self.total, self.done + 1)
+            self.points[(cores, batch)] = self.measure_fn(cores, batch)
+            self.done += 1
+            self.progress(self.done, self.total, f"measured 1 instance × {cores} cores, batch {batch}")
+        return self.points[(cores, batch)]
+
+
+def _smallest_cores_meeting(rec: _Recorder, n_cores: int, batch: int, slo_ms: float) -> int | None:
+    """Fewest cores with which one instance at `batch` meets the SLO (doubling, then bisection:
+    latency falls as cores are added)."""
+    cores, low = 1, 0  # `low`: most cores known to miss (0: none tried)
+    while not _meets(rec.point(cores, batch).p99_ms, slo_ms):
+        if cores == n_cores:
+            return None
+        cores, low = min(2 * cores, n_cores), cores
+    while cores - low > 1:
+        middle = (low + cores) // 2
+        if _meets(rec.point(middle, batch).p99_ms, slo_ms):
+            cores = middle
+        else:
+            low = middle
+    return cores
+
+
+def guided_core_counts(n_cores: int, min_cores: int = 1) -> list[int]:
+    """Core counts worth profiling: the minimum, powers of two, all cores, and the sizes of an even
+    split into as many minimum-sized instances as fit (so the partition can fill every core)."""
+    counts = {min_cores, n_cores}
+    power = 1
+    while power <= n_cores:
+        if power >= min_cores:
+            counts.add(power)
+        power *= 2
+    pieces = n_cores // min_cores
+    counts.update({n_cores // pieces, min(n_cores, n_cores // pieces + 1), min(n_cores, min_cores + 1)})
+    return sorted(counts)
+
+
+def _uniform_fill(points: list[ProfilePoint], n_cores: int, slo_ms: float | None) -> list[Layout]:
+    """For each measured core count: as many copies of its best point as fit — the single-large and
+    many-small layouts that the independence assumption of the partition may misjudge."""
+    layouts = []
+    best_per_cores: dict[int, ProfilePoint] = {}
+    for point in usable_points(points, n_cores, slo_ms):
+        if point.cores not in best_per_cores or point.throughput_rps > best_per_cores[point.cores].throughput_rps:
+            best_per_cores[point.cores] = point
+    for cores, point in sorted(best_per_cores.items()):
+        layouts.append(Layout.uniform(n_cores // cores, cores, point.batch))
+    return layouts
+
+
+def quick_search(
+    measure: MeasureFn,
+    n_cores: int,
+    slo_ms: float | None = None,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    verify: VerifyFn | None = None,
+    progress: ProgressFn | None = None,
+    *,
+    top_k: int = 5,
+    verify_top: int = 3,
+    contention: float = 0.0,
+    min_gain: float = 0.02,
+    max_rounds: int = 3,
+    max_repairs: int = 4,
+) -> SearchResult:
+    """Guided profile + exact partition + verification of the best few layouts.
+
+    1. Online (`slo_ms`): find the fewest cores for which one instance at the smallest batch meets
+       the SLO. 2. For each guided core count, double the batch until throughput gains less than
+       `min_gain` or p99 misses the SLO. 3. Partition exactly (`best_partitions`). 4. With `verify`:
+       run the `verify_top` best layouts plus the uniform single-large / many-small layouts together
+       and keep the measured best that meets the SLO. When running together pushed p99 past the
+       SLO, partition again with a tighter SLO and verify again (at most `max_rounds` rounds), then
+       walk from the best layout that missed toward lighter neighbours (at most `max_repairs` runs).
+    """
+    batches = _check(n_cores, batches)
+    progress = progress or _no_progress
+    space = count_layouts(n_cores, batches)
+    rec = _Recorder(measure, progress, total=len(guided_core_counts(n_cores)) * 3 + (verify_top if verify else 0))
+
+    min_cores = 1
+    if slo_ms is not None:
+        found = _smallest_cores_meeting(rec, n_cores, batches[0], slo_ms)
+        if found is None:
+            fastest = min(rec.points.values(), key=lambda p: p.p99_ms)
+            return SearchResult(
+                best=None, candidates=[], measured=rec.done, space=space, measurements=list(rec.points.values()),
+                note=f"one instance misses the {slo_ms:g} ms SLO even on all {n_cores} cores at batch {batches[0]} "
+                f"(best p99 {fastest.p99_ms:.1f} ms on {fastest.cores} cores)",
+            )
+        min_cores = found
+
+    for cores in guided_core_counts(n_cores, min_cores):
+        best_rps = 0.0
+        for batch in batches:
+            point = rec.point(cores, batch)
+            if not _meets(point.p99_ms, slo_ms):
+                break
+            if point.throughput_rps < best_rps * (1.0 + min_gain):
+                break
+            best_rps = point.throughput_rps
+
+    points = list(rec.points.values())
+    candidates = best_partitions(points, n_cores, slo_ms, top_k=top_k, contention=contention)
+    if verify is None or not candidates:
+        return SearchResult(candidates[0] if candidates else None, candidates, rec.done, space, points,
+                            note="" if candidates else "no measured shape meets the SLO")
+
+    verified: dict[Layout, Candidate] = {}
+
+    def run(layout: Layout, guess: Candidate | None) -> Candidate:
+        rps, p99 = verify(layout)
+        rec.done += 1
+        rec.total = max(rec.total, rec.done)
+        progress(rec.done, rec.total, f"verified {layout}")
+        guess = guess or _predict(layout, rec.points)
+        verified[layout] = Candidate(layout, guess.predicted_rps, guess.predicted_p99_ms, rps, p99)
+        return verified[layout]
+
+    # Round 0 also runs the uniform single-large / many-small layouts, which the independence
+    # assumption of the partition may misjudge (shared caches, memory bandwidth).
+    round_layouts = [(c.layout, c) for c in candidates[:verify_top]]
+    for layout in _uniform_fill(points, n_cores, slo_ms):
+        if all(layout.canonical() != known for known, _ in round_layouts):
+            round_layouts.append((layout.canonical(), None))
+    effective_slo = slo_ms
+    for _ in range(max_rounds):
+        rec.total = rec.done + len(round_layouts)
+        missed_by = 1.0
+        for layout, guess in round_layouts:
+            result = run(layout, guess)
+            if not _meets(result.p99_ms, slo_ms):
+                missed_by = max(missed_by, result.p99_ms / max(result.predicted_p99_ms, 1e-9))
+        best_so_far = max((c.rps for c in verified.values() if _meets(c.p99_ms, slo_ms)), default=0.0)
+        if slo_ms is None or missed_by <= 1.0 or effective_slo is None:
+            break
+        # Running together inflated p99 past the SLO: ask the partition for layouts with headroom.
+        effective_slo = min(effective_slo / missed_by**0.5, effective_slo * 0.999)
+        fresh = [c for c in best_partitions(points, n_cores, effective_slo, top_k=top_k, contention=contention)
+                 if c.layout not in verified]
+        if not fresh or fresh[0].predicted_rps <= best_so_far:  # predictions only overestimate
+            break
+        round_layouts = [(c.layout, c) for c in fresh[:verify_top]]
+
+    if slo_ms is not None:
+        _repair(verified, rec.points, slo_ms, run, max_repairs)
+
+    results = list(verified.values())
+    feasible = sorted((c for c in results if _meets(c.p99_ms, slo_ms)), key=lambda c: -c.rps)
+    missed = [c for c in results if not _meets(c.p99_ms, slo_ms)]
+    rest = [c for c in candidates if c.layout not in verified]
+    note = "" if feasible else "no verified layout met the SLO with all instances running together"
+    return SearchResult(feasible[0] if feasible else None, feasible + missed + rest, rec.done, space, points, note)
+
+
+def _neighbours(layout: Layout, points: dict[tuple[int, int], ProfilePoint]) -> list[Layout]:
+    """Lighter layouts on the same cores: one instance at the next smaller measured batch, or two of
+    the smallest instances merged into one twice as wide (fewer instances, less contention)."""
+    shapes = list(layout.instances)
+    found: list[Layout] = []
+    for index, shape in enumerate(shapes):
+        smaller = [b for (c, b) in points if c == shape.cores and b < shape.batch]
+        if smaller:
+            lighter = InstanceShape(shape.cores, shape.threads, max(smaller))
+            found.append(Layout(tuple(shapes[:index] + [lighter] + shapes[index + 1 :])).canonical())
+    smallest = min(shape.cores for shape in shapes)
+    pair = [i for i, shape in enumerate(shapes) if shape.cores == smallest][:2]
+    wide = [(b, p) for (c, b), p in points.items() if c == 2 * smallest]
+    if len(pair) == 2 and wide:
+        batch = max(wide, key=lambda item: item[1].throughput_rps)[0]
+        merged = [s for i, s in enumerate(shapes) if i not in pair] + [InstanceShape(2 * smallest, 2 * smallest, batch)]
+        found.append(Layout(tuple(merged)).canonical())
+    return found
+
+
+def _repair(
+    verified: dict[Layout, Candidate],
+    points: dict[tuple[int, int], ProfilePoint],
+    slo_ms: float,
+    run: Callable[[Layout, Candidate | None], Candidate],
+    budget: int,
+) -> None:
+    """Greedy walk from the best layout that missed the SLO toward lighter neighbours, while it
+    could still beat the best layout that met it."""
+    best_ok = max((c.rps for c in verified.values() if _meets(c.p99_ms, slo_ms)), default=0.0)
+    missed = [c for c in verified.values() if not _meets(c.p99_ms, slo_ms) and c.rps > best_ok]
+    if not missed:
+        return
+    current = max(missed, key=lambda c: c.rps)
+    for _ in range(budget):
+        options = [
+            _predict(layout, points) for layout in _neighbours(current.layout, points) if layout not in verified
+        ]
+        options = [c for c in options if _meets(c.predicted_p99_ms, slo_ms) and c.predicted_rps > best_ok]
+        if not options:
+            return
+        current = run(max(options, key=lambda c: c.predicted_rps).layout, None)
+        if _meets(current.p99_ms, slo_ms):
+            return
+
+
+def _predict(layout: Layout, points: dict[tuple[int, int], ProfilePoint]) -> Candidate:
+    chosen = [points[(shape.cores, shape.batch)] for shape in layout.instances]
+    return Candidate(layout, sum(p.throughput_rps for p in chosen), max(p.p99_ms for p in chosen))
+
+
+def _partitions(n: int, largest: int | None = None) -> Iterator[tuple[int, ...]]:
+    """Integer partitions of n, parts non-increasing."""
+    largest = n if largest is None else largest
+    if n == 0:
+        yield ()
+        return
+    for part in range(min(n, largest), 0, -1):
+        for rest in _partitions(n - part, part):
+            yield (part,) + rest
+
+
+def _shape_multisets(n: int, shapes: list[tuple[int, int]], start: int = 0) -> Iterator[tuple[tuple[int, int], ...]]:
+    """Multisets of (cores, batch) shapes whose cores sum to n, in non-decreasing shape order."""
+    if n == 0:
+        yield ()
+        return
+    for index in range(start, len(shapes)):
+        cores = shapes[index][0]
+        if cores > n:
+            break
+        for rest in _shape_multisets(n - cores, shapes, index):
+            yield (shapes[index],) + rest
+
+
+def all_layouts(n_cores: int, batches: Sequence[int], per_instance_batch: bool = False) -> Iterator[Layout]:
+    """Every layout `count_layouts` counts (all cores used, threads = cores)."""
+    batches = _check(n_cores, batches)
+    if not per_instance_batch:
+        for parts in _partitions(n_cores):
+            for batch in batches:
+                yield Layout(tuple(InstanceShape(c, c, batch) for c in parts))
+        return
+    shapes = [(c, b) for c in range(1, n_cores + 1) for b in batches]
+    for multiset in _shape_multisets(n_cores, shapes):
+        yield Layout(tuple(InstanceShape(c, c, b) for c, b in multiset)).canonical()
+
+
+def exhaustive_search(
+    verify: VerifyFn,
+    n_cores: int,
+    slo_ms: float | None = None,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    progress: ProgressFn | None = None,
+    *,
+    per_instance_batch: bool = False,
+    top_k: int = 5,
+    max_layouts: int | None = None,
+) -> SearchResult:
+    """Run every layout on exactly `n_cores` cores (the paper's space; `per_instance_batch` widens it)
+    and keep the measured best that meets the SLO."""
+    batches = _check(n_cores, batches)
+    progress = progress or _no_progress
+    space = count_layouts(n_cores, batches, per_instance_batch=per_instance_batch)
+    if max_layouts is not None and space > max_layouts:
+        raise NoFeasibleLayout(
+            f"an exhaustive search on {n_cores} cores would run {space:,} layouts (limit {max_layouts:,})",
+            "use the quick search, or fewer cores or batch sizes",
+        )
+    results: list[Candidate] = []
+    for done, layout in enumerate(all_layouts(n_cores, batches, per_instance_batch), start=1):
+        rps, p99 = verify(layout)
+        progress(done, space, f"verified {layout}")
+        results.append(Candidate(layout, rps, p99, rps, p99))
+    feasible = sorted((c for c in results if _meets(c.p99_ms, slo_ms)), key=lambda c: -c.rps)
+    return SearchResult(
+        feasible[0] if feasible else None, feasible[:top_k], len(results), space,
+        note="" if feasible else f"no layout on {n_cores} cores meets the {slo_ms} ms SLO",
+    )
+
+
+def plan_from_profile(
+    points: Sequence[ProfilePoint], n_cores: int, slo_ms: float | None = None, contention: float = 0.0
+) -> Candidate:
+    """The predicted best layout from cached profile points (no measurement; for re-plans)."""
+    candidates = best_partitions(points, n_cores, slo_ms, top_k=1, contention=contention)
+    if candidates:
+        return candidates[0]
+    fitting = [p for p in points if p.cores <= n_cores]
+    if not fitting:
+        raise NoFeasibleLayout(
+            f"the profile has no shape that fits in {n_cores} cores",
+            "profile the model on this many cores (`reamer profile`), or give the job more cores",
+        )
+    fastest = min(fitting, key=lambda p: p.p99_ms)
+    raise NoFeasibleLayout(
+        f"no profiled shape on ≤ {n_cores} cores meets the {slo_ms:g} ms SLO (fastest p99 is "
+        f"{fastest.p99_ms:.1f} ms with {fastest.cores} cores at batch {fastest.batch})",
+        "raise the SLO, give the job more cores, or profile more shapes",
+    )

@@ -1,0 +1,51 @@
+import pytest
+
+from reamer.plan.admission import admit
+from reamer.plan.layout import parse_layout
+from reamer.plan.partition import Candidate
+
+
+def candidate(rps, p99, measured_rps=None, measured_p99=None):
+    return Candidate(parse_layout("2x1:b4"), rps, p99, measured_rps, measured_p99)
+
+
+def test_accepts_with_margin():
+    decision = admit(candidate(100.0, 20.0), rate_rps=90.0, slo_ms=50.0, margin=0.10)
+    assert decision.accepted
+    assert decision.achievable_rps == pytest.approx(90.0)
+    assert "2x1:b4" in decision.reason
+
+
+def test_refuses_when_rate_exceeds_capacity_after_margin():
+    decision = admit(candidate(100.0, 20.0), rate_rps=91.0, slo_ms=50.0, margin=0.10)
+    assert not decision.accepted
+    assert decision.achievable_rps == pytest.approx(90.0)
+    assert "90.0 rps" in decision.reason
+    for remedy in ("another node", "lower the rate", "free cores"):
+        assert remedy in decision.reason
+
+
+def test_refuses_when_p99_misses_slo():
+    decision = admit(candidate(1000.0, 60.0), rate_rps=10.0, slo_ms=50.0)
+    assert not decision.accepted
+    assert "60.0 ms" in decision.reason and "50 ms" in decision.reason
+
+
+def test_measured_figures_win_over_predictions():
+    optimistic = candidate(200.0, 20.0, measured_rps=100.0, measured_p99=30.0)
+    assert not admit(optimistic, rate_rps=150.0, slo_ms=50.0).accepted
+    assert admit(optimistic, rate_rps=80.0, slo_ms=50.0).accepted
+    assert not admit(optimistic, rate_rps=80.0, slo_ms=25.0).accepted
+
+
+def test_no_layout_is_a_refusal_with_zero_capacity():
+    decision = admit(None, rate_rps=1.0, slo_ms=10.0)
+    assert not decision.accepted and decision.achievable_rps == 0.0
+    assert "free cores" in decision.reason
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        admit(candidate(1, 1), 1, 10, margin=1.0)
+    with pytest.raises(ValueError):
+        admit(candidate(1, 1), 1, 0)

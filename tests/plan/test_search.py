@@ -1,0 +1,133 @@
+import pytest
+
+from reamer.host.errors import ReamerError
+from reamer.plan.layout import count_layouts
+from reamer.plan.partition import NoFeasibleLayout, ProfilePoint
+from reamer.plan.search import (
+    DEFAULT_BATCHES,
+    exhaustive_search,
+    guided_core_counts,
+    plan_from_profile,
+    quick_search,
+)
+from reamer.plan.simulator import synthetic_model
+
+SETTINGS = [
+    # family, noise, cores, SLO
+    ("scale-up", 0.0, 8, None),
+    ("scale-up", 0.05, 8, 15.0),
+    ("scale-up", 0.0, 12, 20.0),
+    ("scale-out", 0.0, 8, None),
+    ("scale-out", 0.0, 5, 30.0),
+    ("scale-out", 0.05, 8, 20.0),
+    ("scale-out", 0.0, 12, 20.0),
+    ("scale-out", 0.05, 12, 16.0),
+]
+
+
+@pytest.mark.parametrize("family,noise,cores,slo", SETTINGS)
+def test_quick_search_nearly_matches_exhaustive(family, noise, cores, slo):
+    model = synthetic_model(family, noise)
+    counted = {"measure": 0, "verify": 0}
+
+    def measure(c, b):
+        counted["measure"] += 1
+        return model.profile(c, b)
+
+    def verify(layout):
+        counted["verify"] += 1
+        return model.run_layout(layout)
+
+    quick = quick_search(measure, cores, slo, verify=verify)
+    full = exhaustive_search(model.run_layout, cores, slo)
+    assert full.best is not None and quick.best is not None
+    assert quick.best.measured_rps == pytest.approx(model.run_layout(quick.best.layout)[0])
+    assert quick.best.rps >= 0.95 * full.best.rps, (str(quick.best.layout), str(full.best.layout))
+    if slo is not None:
+        assert quick.best.p99_ms <= slo
+    assert quick.measured == counted["measure"] + counted["verify"]
+    assert full.measured == full.space == count_layouts(cores, DEFAULT_BATCHES)
+    assert quick.measured < full.measured
+    if cores >= 8:
+        assert quick.measured * 3 <= full.measured
+    assert quick.best.layout.total_cores <= cores
+
+
+def test_families_get_their_expected_shapes():
+    up = synthetic_model("scale-up")
+    out = synthetic_model("scale-out")
+    best_up = quick_search(up.profile, 8, None, verify=up.run_layout).best
+    best_out = quick_search(out.profile, 8, None, verify=out.run_layout).best
+    assert best_up.layout.instance_count == 1  # one large instance
+    assert best_out.layout.instance_count == 8  # many single-core instances
+
+
+def test_progress_reports_every_measurement():
+    model = synthetic_model("scale-out")
+    seen = []
+    result = quick_search(model.profile, 6, 20.0, verify=model.run_layout,
+                          progress=lambda done, total, label: seen.append((done, total, label)))
+    assert [done for done, _, _ in seen] == list(range(1, result.measured + 1))
+    assert all(done <= total for done, total, _ in seen)
+    assert seen[-1][0] == seen[-1][1]
+    assert any(label.startswith("verified") for _, _, label in seen)
+    assert any(label.startswith("measured") for _, _, label in seen)
+
+
+def test_online_search_starts_from_the_fewest_cores_meeting_the_slo():
+    model = synthetic_model("scale-up")  # batch 1 p99: 64 ms on 1 core, falls with cores
+    measured = []
+
+    def measure(c, b):
+        measured.append((c, b))
+        return model.profile(c, b)
+
+    result = quick_search(measure, 8, 20.0)
+    smallest_ok = min(c for c in range(1, 9) if model.profile(c, 1).p99_ms <= 20.0)
+    assert min(c for c, b in measured if b > 1) >= smallest_ok
+    assert all(s.cores >= smallest_ok for s in result.best.layout.instances)
+    assert result.best.measured_rps is None  # not verified without `verify`
+
+
+def test_impossible_slo_gives_no_best_and_says_why():
+    model = synthetic_model("scale-up")
+    result = quick_search(model.profile, 4, 1.0, verify=model.run_layout)
+    assert result.best is None and result.candidates == []
+    assert "SLO" in result.note
+    assert result.measured <= 4  # gave up after doubling cores up to all of them
+
+
+def test_exhaustive_per_instance_space_and_limit():
+    model = synthetic_model("scale-out")
+    wide = exhaustive_search(model.run_layout, 4, None, batches=(1, 4), per_instance_batch=True)
+    assert wide.measured == count_layouts(4, (1, 4), per_instance_batch=True)
+    narrow = exhaustive_search(model.run_layout, 4, None, batches=(1, 4))
+    assert wide.best.rps >= narrow.best.rps
+    with pytest.raises(ReamerError, match="layouts"):
+        exhaustive_search(model.run_layout, 32, None, max_layouts=1000)
+
+
+def test_guided_core_counts():
+    assert guided_core_counts(8) == [1, 2, 4, 8]
+    assert guided_core_counts(12, min_cores=5) == [5, 6, 7, 8, 12]  # 6+6 and 5+7 fill 12
+    assert guided_core_counts(1) == [1]
+    assert all(1 <= c <= 20 for c in guided_core_counts(20, 3))
+
+
+def test_plan_from_profile():
+    points = [ProfilePoint(1, 4, 100.0, 40.0), ProfilePoint(2, 4, 150.0, 20.0)]
+    assert str(plan_from_profile(points, 4).layout) == "4x1:b4"
+    assert str(plan_from_profile(points, 4, slo_ms=30.0).layout) == "2x2:b4"
+    with pytest.raises(NoFeasibleLayout) as info:
+        plan_from_profile(points, 4, slo_ms=10.0)
+    assert "20.0 ms" in info.value.message and info.value.fix
+    with pytest.raises(NoFeasibleLayout, match="fits in 1 cores"):
+        plan_from_profile([ProfilePoint(2, 4, 150.0, 20.0)], 1)
+
+
+def test_bad_arguments():
+    model = synthetic_model("scale-out")
+    with pytest.raises(ValueError):
+        quick_search(model.profile, 0)
+    with pytest.raises(ValueError):
+        quick_search(model.profile, 4, batches=[])
