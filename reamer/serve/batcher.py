@@ -1,0 +1,250 @@
+"""Dynamic batching of online requests over instance workers, with SLO-based load shedding.
+
+Requests wait in one queue. Every instance has a serving loop: when it is idle it takes the oldest
+request and, up to its max batch, the compatible ones that arrived; it waits for more at most
+`max_wait = min(0.2 * SLO, estimated batch latency)` after the oldest arrived. Inputs are
+concatenated along axis 0 (a request may carry a batch), outputs split back.
+
+A new request is shed (Overloaded) when no instance is idle and its estimated completion —
+queued samples / measured service rate + one batch latency — would exceed the SLO.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from reamer.host.errors import ReamerError
+from reamer.serve.stats import RequestStats
+from reamer.serve.worker import InferenceFailed, InstanceWorker, WorkerError
+
+
+class Overloaded(ReamerError):
+    """The job cannot serve this request within its SLO right now."""
+
+
+class NotReady(ReamerError):
+    """No instance of the job is ready to serve."""
+
+
+@dataclass
+class _Request:
+    inputs: dict[str, np.ndarray]
+    batch: int
+    signature: tuple
+    arrived: float
+    future: asyncio.Future = field(repr=False)
+
+
+@dataclass
+class _Lane:
+    """One instance and the asyncio task that feeds it."""
+
+    worker: InstanceWorker
+    executor: ThreadPoolExecutor
+    task: asyncio.Task | None = None
+    retiring: bool = False
+    idle: bool = False
+
+
+class DynamicBatcher:
+    IDLE_CHECK_S = 0.25
+
+    def __init__(self, slo_ms: float | None, stats: RequestStats | None = None, name: str = "job",
+                 default_max_wait_ms: float = 5.0) -> None:
+        self.slo_ms = slo_ms
+        self.stats = stats or RequestStats(slo_ms)
+        self.name = name
+        self.default_max_wait_ms = default_max_wait_ms
+        self._queue: list[_Request] = []
+        self._lanes: list[_Lane] = []
+        self._wakeup: asyncio.Condition | None = None
+        self._closed = False
+
+    # -- instances
+    @property
+    def workers(self) -> list[InstanceWorker]:
+        return [lane.worker for lane in self._lanes if not lane.retiring]
+
+    def ready_count(self) -> int:
+        return sum(1 for w in self.workers if w.ready and w.alive)
+
+    def _cond(self) -> asyncio.Condition:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Condition()
+        return self._wakeup
+
+    def add_instance(self, worker: InstanceWorker) -> None:
+        """Start feeding a (started) worker. Must be called from the event loop."""
+        lane = _Lane(worker, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"instance-{worker.index}"))
+        lane.task = asyncio.get_running_loop().create_task(self._serve(lane))
+        self._lanes.append(lane)
+
+    async def remove_instance(self, worker: InstanceWorker) -> None:
+        """Stop feeding a worker after its current batch, then stop its process."""
+        lane = next((ln for ln in self._lanes if ln.worker is worker), None)
+        if lane is None:
+            return
+        lane.retiring = True
+        worker.request_stop()  # no restart of a retiring worker; its running batch still finishes
+        async with self._cond():
+            self._cond().notify_all()
+        if lane.task is not None:
+            await lane.task
+        await asyncio.get_running_loop().run_in_executor(lane.executor, worker.stop)
+        lane.executor.shutdown(wait=False)
+        self._lanes.remove(lane)
+
+    async def close(self) -> None:
+        """Stop all instances after their current batches; fail what is still queued."""
+        self._closed = True
+        await asyncio.gather(*(self.remove_instance(lane.worker) for lane in list(self._lanes)))
+        for req in self._queue:
+            if not req.future.done():
+                req.future.set_exception(NotReady(f"job {self.name} is shutting down; request not processed — retry"))
+        self._queue.clear()
+
+    # -- admission
+    def estimated_completion_s(self, extra_samples: int = 0) -> float | None:
+        """Estimated time until a request arriving now would be answered (None before any measurement)."""
+        rates = [w.service_rate() for w in self.workers if w.ready]
+        rates = [r for r in rates if r]
+        if not rates:
+            return None
+        latencies = [w.latency_ewma_s for w in self.workers if w.ready and w.latency_ewma_s]
+        queued = sum(r.batch for r in self._queue) + extra_samples
+        return queued / sum(rates) + (sum(latencies) / len(latencies) if latencies else 0.0)
+
+    def _max_wait_s(self, worker: InstanceWorker) -> float:
+        if worker.spec.max_batch <= 1:
+            return 0.0
+        est = worker.latency_ewma_s or self.default_max_wait_ms / 1000.0
+        if self.slo_ms is None:
+            return min(est, self.default_max_wait_ms / 1000.0)
+        return min(self.slo_ms * 0.2 / 1000.0, est)
+
+    def _any_idle(self) -> bool:
+        return any(lane.idle and lane.worker.ready and not lane.retiring for lane in self._lanes)
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Queue one request (arrays with a leading batch axis) and wait for its outputs.
+
+        Raises Overloaded (shed), NotReady (no instance), InstanceCrashed, InferenceFailed.
+        """
+        arrived = time.monotonic()
+        if self._closed:
+            raise NotReady(f"job {self.name} is shutting down", "retry against the job's new address")
+        if self.ready_count() == 0:
+            self.stats.record_shed()
+            reason = "; ".join(w.last_error for w in self.workers if w.last_error) or "instances are starting"
+            raise NotReady(f"job {self.name} has no ready instance ({reason})", "retry in a few seconds")
+        batch = int(next(iter(inputs.values())).shape[0]) if inputs else 1
+        if self.slo_ms is not None and not self._any_idle():
+            est = self.estimated_completion_s(batch)
+            if est is not None and est * 1000.0 > self.slo_ms:
+                self.stats.record_shed()
+                raise Overloaded(
+                    f"job {self.name} is over capacity: estimated completion {est * 1000.0:.0f} ms exceeds its "
+                    f"{self.slo_ms:g} ms SLO; request shed",
+                    "retry later, lower the request rate, or give the job more cores")
+        signature = tuple(sorted((k, v.dtype.str, v.shape[1:]) for k, v in inputs.items()))
+        req = _Request(inputs, batch, signature, arrived, asyncio.get_running_loop().create_future())
+        cond = self._cond()
+        async with cond:
+            self._queue.append(req)
+            cond.notify_all()
+        try:
+            outputs = await req.future
+        except (WorkerError, NotReady):
+            self.stats.record_failed()
+            raise
+        self.stats.record(time.monotonic() - arrived)
+        return outputs
+
+    # -- serving loop of one instance
+    def _take(self, max_batch: int) -> list[_Request]:
+        """The oldest request and the compatible ones behind it, up to max_batch samples."""
+        first = self._queue[0]
+        taken, total = [first], first.batch
+        for req in self._queue[1:]:
+            if req.signature == first.signature and total + req.batch <= max_batch:
+                taken.append(req)
+                total += req.batch
+        for req in taken:
+            self._queue.remove(req)
+        return taken
+
+    def _compatible_samples(self) -> int:
+        first = self._queue[0]
+        return sum(r.batch for r in self._queue if r.signature == first.signature)
+
+    async def _serve(self, lane: _Lane) -> None:
+        loop = asyncio.get_running_loop()
+        worker = lane.worker
+        cond = self._cond()
+        while not lane.retiring:
+            if not (worker.ready and worker.alive):
+                lane.idle = False
+                if not await loop.run_in_executor(lane.executor, worker.ensure_running):
+                    if worker.stopping:
+                        return
+                    await asyncio.sleep(self.IDLE_CHECK_S)
+                    continue
+            lane.idle = True
+            async with cond:
+                if not self._queue:
+                    try:
+                        await asyncio.wait_for(cond.wait(), self.IDLE_CHECK_S)
+                    except asyncio.TimeoutError:
+                        pass
+                    if not self._queue or lane.retiring:
+                        continue
+                # Wait for a fuller batch, but never past max_wait after the oldest arrived.
+                max_batch = worker.spec.max_batch
+                deadline = self._queue[0].arrived + self._max_wait_s(worker)
+                while self._queue and self._compatible_samples() < max_batch and not lane.retiring:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    try:
+                        await asyncio.wait_for(cond.wait(), remaining)
+                    except asyncio.TimeoutError:
+                        break
+                if not self._queue:
+                    continue
+                taken = self._take(max_batch)
+                lane.idle = False
+            await self._run_batch(lane, taken)
+        lane.idle = False
+
+    async def _run_batch(self, lane: _Lane, taken: list[_Request]) -> None:
+        live = [r for r in taken if not r.future.done()]  # client may have gone away
+        if not live:
+            return
+        names = list(live[0].inputs)
+        batch_inputs = {n: (live[0].inputs[n] if len(live) == 1 else np.concatenate([r.inputs[n] for r in live]))
+                        for n in names}
+        loop = asyncio.get_running_loop()
+        try:
+            outputs = await loop.run_in_executor(lane.executor, lane.worker.run, batch_inputs)
+        except (WorkerError, Exception) as exc:  # noqa: BLE001 - every failure goes to the waiting clients
+            err = exc if isinstance(exc, ReamerError) else InferenceFailed(f"batch failed: {exc}")
+            for r in live:
+                if not r.future.done():
+                    r.future.set_exception(err)
+            return
+        offset = 0
+        for r in live:
+            part = {}
+            for name, arr in outputs.items():
+                # Outputs without the batch axis (scalars, per-batch values) go to everyone unchanged.
+                if arr.ndim and arr.shape[0] == sum(x.batch for x in live):
+                    part[name] = arr[offset:offset + r.batch]
+                else:
+                    part[name] = arr
+            offset += r.batch
+            if not r.future.done():
+                r.future.set_result(part)

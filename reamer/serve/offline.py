@@ -1,0 +1,267 @@
+"""Offline batch inference: a directory of inputs in, one result file per input out, resumable.
+
+Inputs, processed in sorted order: `<stem>.npy` (models with one input; one sample, or a batch with
+the leading batch axis) or `<stem>.npz` (arrays named after the model inputs). For each input the
+runner writes `<output_dir>/<stem>.npz` holding every model output, atomically (temp + fsync +
+rename), so a crash leaves whole results or none. On start it skips inputs whose result exists
+and removes temp files a crashed run left behind: finished work is never repeated or lost.
+
+All instances pull files from one shared queue. A bad input file does not stop the others: it is
+recorded (`input_failed` event, with the file and the inputs the model expects) and the run ends
+as failed once everything else is done. A file that crashes a worker is retried on a fresh worker
+up to MAX_ATTEMPTS times.
+"""
+from __future__ import annotations
+
+import io
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from reamer.host.errors import ReamerError
+from reamer.serve.spec import append_event, is_temp_file, write_atomic
+from reamer.serve.tensors import TensorInfo, v2_to_numpy
+from reamer.serve.worker import InstanceCrashed, InstanceWorker, WorkerError
+
+INPUT_SUFFIXES = (".npy", ".npz")
+MAX_ATTEMPTS = 3
+
+
+class OfflineInputError(ReamerError):
+    """An input directory or file the model cannot take."""
+
+
+@dataclass(frozen=True)
+class OfflineProgress:
+    done: int  # inputs with a result (including ones finished by an earlier run)
+    total: int
+    failed: int
+    throughput: float  # samples per second in this run
+    eta_s: float | None
+    finished: bool
+
+
+@dataclass
+class _Item:
+    path: Path
+    attempts: int = 0
+
+
+@dataclass
+class _Lane:
+    worker: InstanceWorker
+    thread: threading.Thread | None = None
+    retiring: threading.Event = field(default_factory=threading.Event)
+
+
+def result_path(output_dir: str | os.PathLike, input_path: str | os.PathLike) -> Path:
+    return Path(output_dir) / f"{Path(input_path).stem}.npz"
+
+
+def list_inputs(input_dir: str | os.PathLike) -> list[Path]:
+    """The input files of a job, sorted; rejects two inputs that would write the same result."""
+    d = Path(input_dir)
+    if not d.is_dir():
+        raise OfflineInputError(f"input directory {d} does not exist", "create it and put .npy/.npz files in it")
+    files = sorted(p for p in d.iterdir() if p.suffix in INPUT_SUFFIXES and p.is_file() and not p.name.startswith("."))
+    stems: dict[str, Path] = {}
+    for p in files:
+        if p.stem in stems:
+            raise OfflineInputError(f"inputs {stems[p.stem].name} and {p.name} would both write {p.stem}.npz",
+                                    "rename one of them")
+        stems[p.stem] = p
+    return files
+
+
+def _describe(inputs: list[TensorInfo]) -> str:
+    return ", ".join(f"{t.name} ({t.datatype} {list(t.shape)})" for t in inputs)
+
+
+def load_inputs(path: Path, model_inputs: list[TensorInfo]) -> tuple[dict[str, np.ndarray], bool]:
+    """Read one input file as model inputs with a batch axis; also says whether it held a single sample."""
+    expected = _describe(model_inputs)
+    fix = (f"save a .npy (models with one input) or a .npz with arrays named {[t.name for t in model_inputs]}; "
+           f"the model expects {expected}")
+
+    def bad(problem: str) -> OfflineInputError:
+        return OfflineInputError(f"input file {path.name}: {problem}; the model expects inputs: {expected}", fix)
+
+    try:
+        if path.suffix == ".npy":
+            if len(model_inputs) != 1:
+                raise bad("a .npy file holds one array but the model has several inputs")
+            arrays = {model_inputs[0].name: np.load(path, allow_pickle=False)}
+        else:
+            with np.load(path, allow_pickle=False) as npz:
+                arrays = {k: npz[k] for k in npz.files}
+    except OfflineInputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - numpy raises many kinds for broken files
+        raise bad(f"cannot be read ({exc})") from None
+    names = {t.name for t in model_inputs}
+    if set(arrays) != names:
+        raise bad(f"it holds arrays {sorted(arrays)}")
+    out: dict[str, np.ndarray] = {}
+    singles = set()
+    for info in model_inputs:
+        arr = arrays[info.name]
+        want = v2_to_numpy(info.datatype)
+        if arr.dtype != want:
+            if not np.can_cast(arr.dtype, want, casting="same_kind"):
+                raise bad(f"array {info.name!r} is {arr.dtype}, not {want}")
+            arr = arr.astype(want)
+        if arr.ndim == len(info.shape) - 1:
+            arr, single = arr[np.newaxis], True
+        elif arr.ndim == len(info.shape):
+            single = False
+        else:
+            raise bad(f"array {info.name!r} has shape {list(arr.shape)}")
+        if any(m >= 0 and d != m for d, m in zip(arr.shape[1:], info.shape[1:])):
+            raise bad(f"array {info.name!r} has shape {list(arr.shape)}")
+        singles.add(single)
+        out[info.name] = arr
+    if len(singles) > 1 or len({a.shape[0] for a in out.values()}) > 1:
+        raise bad("its arrays disagree on the batch size")
+    return out, singles == {True}
+
+
+class OfflineRunner:
+    def __init__(self, input_dir: str | os.PathLike, output_dir: str | os.PathLike,
+                 run_dir: str | os.PathLike | None = None) -> None:
+        self.input_dir = Path(input_dir)
+        self.output_dir = Path(output_dir)
+        self.run_dir = run_dir
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        for name in os.listdir(self.output_dir):
+            if is_temp_file(name):  # a result cut off by a crash of an earlier run
+                (self.output_dir / name).unlink(missing_ok=True)
+        files = list_inputs(self.input_dir)
+        pending = [p for p in files if not result_path(self.output_dir, p).exists()]
+        self.total = len(files)
+        self._done = self.total - len(pending)
+        self._queue: queue.Queue[_Item] = queue.Queue()
+        for p in pending:
+            self._queue.put(_Item(p))
+        self.failures: list[tuple[str, str]] = []
+        self._samples = 0
+        self._files_this_run = 0
+        self._started = time.monotonic()
+        self._lanes: list[_Lane] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.all_done = threading.Event()
+        self._check_finished()
+
+    # -- instances
+    @property
+    def workers(self) -> list[InstanceWorker]:
+        return [lane.worker for lane in self._lanes if not lane.retiring.is_set()]
+
+    def add_instance(self, worker: InstanceWorker) -> None:
+        lane = _Lane(worker)
+        lane.thread = threading.Thread(target=self._serve, args=(lane,), name=f"offline-{worker.index}", daemon=True)
+        self._lanes.append(lane)
+        lane.thread.start()
+
+    def remove_instance(self, worker: InstanceWorker, timeout_s: float = 60.0) -> None:
+        """Stop handing files to `worker`; its current file finishes; then its process stops."""
+        lane = next((ln for ln in self._lanes if ln.worker is worker), None)
+        if lane is None:
+            return
+        lane.retiring.set()
+        worker.request_stop()  # no restart of a retiring worker; its current file still finishes
+        if lane.thread is not None:
+            lane.thread.join(timeout_s)
+        worker.stop()
+        self._lanes.remove(lane)
+
+    def stop(self) -> None:
+        """Stop all instances after their current files."""
+        self._stop.set()
+        for lane in list(self._lanes):
+            self.remove_instance(lane.worker)
+
+    # -- progress
+    def progress(self) -> OfflineProgress:
+        with self._lock:
+            elapsed = max(time.monotonic() - self._started, 1e-6)
+            remaining = self.total - self._done - len(self.failures)
+            files_rate = self._files_this_run / elapsed
+            eta = remaining / files_rate if files_rate > 0 else (0.0 if remaining == 0 else None)
+            return OfflineProgress(done=self._done, total=self.total, failed=len(self.failures),
+                                   throughput=self._samples / elapsed, eta_s=eta, finished=self.all_done.is_set())
+
+    def _check_finished(self) -> None:
+        if self._done + len(self.failures) >= self.total:
+            self.all_done.set()
+
+    def failure_summary(self) -> str:
+        if not self.failures:
+            return ""
+        shown = "; ".join(msg for _, msg in self.failures[:3])
+        more = f" (and {len(self.failures) - 3} more)" if len(self.failures) > 3 else ""
+        return f"{len(self.failures)} input file(s) could not be processed: {shown}{more}"
+
+    # -- work
+    def _fail(self, item: _Item, message: str) -> None:
+        with self._lock:
+            self.failures.append((item.path.name, message))
+            self._check_finished()
+        if self.run_dir:
+            append_event(self.run_dir, "input_failed", message, file=str(item.path))
+
+    def _serve(self, lane: _Lane) -> None:
+        worker = lane.worker
+        while not lane.retiring.is_set() and not self._stop.is_set() and not self.all_done.is_set():
+            if not worker.ensure_running():
+                if worker.stopping:
+                    return
+                lane.retiring.wait(0.25)
+                continue
+            try:
+                item = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self._process(worker, item)
+
+    def _process(self, worker: InstanceWorker, item: _Item) -> None:
+        try:
+            inputs, single = load_inputs(item.path, worker.inputs)
+        except OfflineInputError as exc:
+            self._fail(item, str(exc))
+            return
+        n = next(iter(inputs.values())).shape[0]
+        step = worker.spec.max_batch
+        parts: list[dict[str, np.ndarray]] = []
+        try:
+            for start in range(0, n, step):
+                parts.append(worker.run({k: v[start:start + step] for k, v in inputs.items()}))
+        except InstanceCrashed as exc:
+            item.attempts += 1
+            if item.attempts >= MAX_ATTEMPTS:
+                self._fail(item, f"input file {item.path.name}: the worker crashed {item.attempts} times on it ({exc.message})")
+            else:
+                self._queue.put(item)  # another (or the restarted) instance retries it
+            return
+        except WorkerError as exc:
+            if worker.stopping:
+                self._queue.put(item)
+            else:
+                self._fail(item, f"input file {item.path.name}: {exc.message}")
+            return
+        outputs = {k: (np.concatenate([p[k] for p in parts]) if len(parts) > 1 else parts[0][k]) for k in parts[0]}
+        if single:
+            outputs = {k: (v[0] if v.ndim and v.shape[0] == 1 else v) for k, v in outputs.items()}
+        buf = io.BytesIO()
+        np.savez(buf, **outputs)
+        write_atomic(result_path(self.output_dir, item.path), buf.getvalue())
+        with self._lock:
+            self._done += 1
+            self._files_this_run += 1
+            self._samples += n
+            self._check_finished()

@@ -1,0 +1,363 @@
+"""Instance workers: one process per instance, pinned before the runtime starts, and its supervision.
+
+The child sets its cpu affinity (and SCHED_IDLE when asked) first, and only then imports and opens
+the backend, so every runtime thread inherits the pinning and the policy. It warms up with two
+inferences and then serves batches sent over a pipe. The parent (`InstanceWorker`) notices a death
+through pipe EOF or the process sentinel, fails the batch that was in flight with a clear error,
+records `worker_crashed`, and restarts the worker with a crash-loop backoff (`worker_restarted`).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from reamer.host.errors import ReamerError
+from reamer.serve.spec import InstanceSpec, append_event
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from reamer.serve.tensors import TensorInfo
+
+
+class WorkerError(ReamerError):
+    """An instance worker could not start or could not serve a batch."""
+
+
+class WorkerStartError(WorkerError):
+    """The worker process died or failed before it was ready (bad model, bad cpus, ...)."""
+
+
+class InstanceCrashed(WorkerError):
+    """The worker process died while a batch was in flight; that batch was not processed."""
+
+    def __init__(self, index: int, exit_code: int | None) -> None:
+        self.index = index
+        self.exit_code = exit_code
+        super().__init__(f"instance {index} crashed ({describe_exit(exit_code)}); request not processed — retry",
+                         "retry the request; the instance is being restarted")
+
+
+class InferenceFailed(WorkerError):
+    """The backend raised on a batch (the worker itself is fine)."""
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"exit code {code}, killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"exit code {code}"
+    return f"exit code {code}"
+
+
+# ---------------------------------------------------------------- child side
+
+# The worker is a fresh interpreter that imports only this light module before it pins itself and
+# sets its policy; numpy's BLAS pool and the runtime start their threads after that and inherit both.
+_BOOTSTRAP = "import sys; from reamer.serve.worker import child_main; child_main(sys.argv[1:])"
+
+
+def child_main(argv: list[str]) -> None:
+    """Worker process entry: argv = [fd, cpus "0,1", sched, threads, backend, model path]."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C on the job's terminal: the job stops its workers
+    fd, cpu_list, sched, threads, backend_kind, model_path = argv
+    from reamer.host.sched import set_affinity, set_idle_policy  # light: os and pathlib only
+
+    cpus = [int(c) for c in cpu_list.split(",")]
+    problem = ""
+    try:
+        set_affinity(0, cpus)
+        if sched == "idle":
+            set_idle_policy(0)
+    except ReamerError as exc:
+        problem = f"cannot place the worker (cpus {cpus}, sched {sched}): {exc}"
+    _worker_main(int(fd), problem, int(threads), backend_kind, model_path)
+
+
+def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_path: str) -> None:
+    """Body of the worker process, after pinning: open the model, warm up, serve batches from the parent."""
+    conn = Connection(fd)
+    if problem:
+        conn.send(("fatal", problem))
+        raise SystemExit(2)
+    try:
+        import numpy as np
+
+        from reamer.serve.backends import open_backend, sample_inputs
+
+        backend = open_backend(backend_kind, model_path, threads)
+        warm = sample_inputs(backend, 1, np.random.default_rng(0))
+        backend.run(warm)
+        t0 = time.perf_counter()
+        backend.run(warm)
+        warm_latency = time.perf_counter() - t0
+    except BaseException as exc:  # noqa: BLE001 - any failure here must reach the parent as text
+        conn.send(("fatal", f"cannot open model {model_path} with {backend_kind}: {exc}"))
+        raise SystemExit(3)
+    conn.send(("ready", {
+        "pid": os.getpid(),
+        "inputs": [(t.name, t.datatype, list(t.shape)) for t in backend.inputs],
+        "outputs": [(t.name, t.datatype, list(t.shape)) for t in backend.outputs],
+        "warmup_latency_s": warm_latency,
+    }))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break  # parent went away
+        if msg[0] == "stop":
+            break
+        try:
+            outputs = backend.run(msg[1])
+            conn.send(("ok", outputs))
+        except Exception as exc:  # noqa: BLE001
+            conn.send(("error", str(exc)))
+    backend.close()
+
+
+# ---------------------------------------------------------------- parent side
+
+class InstanceWorker:
+    """Parent-side handle of one supervised instance worker process.
+
+    `run()` is blocking and serialised (one batch at a time per instance); call it from a thread.
+    """
+
+    CRASH_WINDOW_S = 60.0
+    MAX_BACKOFF_S = 30.0
+
+    def __init__(self, index: int, spec: InstanceSpec, model_path: str, backend: str = "onnxruntime",
+                 run_dir: str | None = None, start_timeout_s: float = 120.0) -> None:
+        self.index = index
+        self.spec = spec
+        self.model_path = str(model_path)
+        self.backend = backend
+        self.run_dir = run_dir
+        self.start_timeout_s = start_timeout_s
+        self.inputs: list[TensorInfo] = []
+        self.outputs: list[TensorInfo] = []
+        self.ready = False
+        self.busy = False
+        self.last_error = ""
+        self.restarts = 0
+        self.batches_run = 0
+        self.samples_run = 0
+        self.latency_ewma_s: float | None = None
+        self.batch_ewma = 1.0
+        self._proc: Any = None
+        self._conn: Any = None
+        self._crashes: deque[float] = deque()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    # -- state
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def service_rate(self) -> float | None:
+        """Samples per second this instance serves at its recent batch size (None before any measurement)."""
+        if not self.latency_ewma_s:
+            return None
+        return self.batch_ewma / self.latency_ewma_s
+
+    # -- lifecycle
+    def start(self) -> None:
+        """Spawn the worker and wait until it is warmed up; WorkerStartError with the child's reason."""
+        from reamer.serve.tensors import TensorInfo
+
+        if self._conn is not None:  # the pipe of a previous (dead) process
+            try:
+                self._conn.close()
+            except OSError:
+                pass
+        parent_sock, child_sock = socket.socketpair()
+        cpus = ",".join(str(c) for c in self.spec.cpus)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP, str(child_sock.fileno()), cpus, self.spec.sched,
+                 str(self.spec.threads), self.backend, self.model_path],
+                pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            child_sock.close()  # so a dead child gives EOF here
+        parent_conn = Connection(parent_sock.detach())
+        self._proc, self._conn = proc, parent_conn
+        deadline = time.monotonic() + self.start_timeout_s
+        msg = None
+        while msg is None:
+            if self._stopping.is_set():
+                self._kill()
+                raise WorkerStartError(f"instance {self.index} was stopped while starting")
+            if time.monotonic() > deadline:
+                self._kill()
+                raise WorkerStartError(f"instance {self.index} did not become ready within {self.start_timeout_s:.0f} s",
+                                       "check the model size and the cpus given to the instance")
+            if parent_conn.poll(0.2):
+                try:
+                    msg = parent_conn.recv()
+                except (EOFError, OSError):
+                    _reap(proc)
+                    raise WorkerStartError(f"instance {self.index} died while starting ({describe_exit(proc.returncode)})",
+                                           "run the model with the same backend by hand to see the error")
+        if msg[0] != "ready":
+            self._kill()
+            raise WorkerStartError(f"instance {self.index} failed to start: {msg[1]}",
+                                   "fix the model path, backend or cpus in the job spec")
+        info = msg[1]
+        self.inputs = [TensorInfo(name=n, datatype=d, shape=s) for n, d, s in info["inputs"]]
+        self.outputs = [TensorInfo(name=n, datatype=d, shape=s) for n, d, s in info["outputs"]]
+        if self.latency_ewma_s is None:
+            self.latency_ewma_s = max(info["warmup_latency_s"], 1e-6)
+        self.last_error = ""
+        self.ready = True
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch on this instance. InstanceCrashed if the worker dies; InferenceFailed on a backend error."""
+        with self._lock:
+            if not self.ready or not self.alive:
+                raise self._crashed()
+            samples = _batch_of(inputs)
+            self.busy = True
+            t0 = time.perf_counter()
+            try:
+                try:
+                    self._conn.send(("run", inputs))
+                    status, payload = self._conn.recv()
+                except (EOFError, OSError):
+                    raise self._crashed() from None
+            finally:
+                self.busy = False
+            if status != "ok":
+                raise InferenceFailed(f"instance {self.index} could not run the batch: {payload}",
+                                      "check the input shapes and dtypes against GET /v2/models/<name>")
+            elapsed = time.perf_counter() - t0
+            self.batches_run += 1
+            self.samples_run += samples
+            a = 0.3
+            self.latency_ewma_s = elapsed if self.latency_ewma_s is None else (1 - a) * self.latency_ewma_s + a * elapsed
+            self.batch_ewma = (1 - a) * self.batch_ewma + a * samples
+            return payload
+
+    def _crashed(self) -> WorkerError:
+        """Note a death (once), and build the error for the request that hit it."""
+        exit_code = None
+        if self._proc is not None:
+            _reap(self._proc)
+            exit_code = self._proc.returncode
+        was_ready, self.ready = self.ready, False
+        if self._stopping.is_set():
+            return WorkerError(f"instance {self.index} is stopping; request not processed — retry")
+        if was_ready:
+            self._record_crash(exit_code)
+        return InstanceCrashed(self.index, exit_code)
+
+    def _record_crash(self, exit_code: int | None) -> None:
+        self._crashes.append(time.monotonic())
+        self.last_error = f"instance {self.index} crashed ({describe_exit(exit_code)})"
+        if self.run_dir:
+            append_event(self.run_dir, "worker_crashed", self.last_error, instance=self.index,
+                         exit_code=exit_code, pid=self.pid)
+
+    def backoff_s(self) -> float:
+        """Wait before the next restart: none after a first crash, then doubling (crash-loop guard)."""
+        now = time.monotonic()
+        while self._crashes and self._crashes[0] < now - self.CRASH_WINDOW_S:
+            self._crashes.popleft()
+        n = len(self._crashes)
+        return 0.0 if n <= 1 else min(0.5 * 2 ** (n - 2), self.MAX_BACKOFF_S)
+
+    def ensure_running(self) -> bool:
+        """Restart the worker if it died (blocking, with backoff). True when it is ready to serve."""
+        with self._lock:
+            if self.ready and self.alive:
+                return True
+            if self._stopping.is_set():
+                return False
+            if self.ready:  # died while idle: noticed here through the sentinel
+                self._crashed()
+            if self._stopping.wait(self.backoff_s()):
+                return False
+            try:
+                self.start()
+            except WorkerStartError as exc:
+                if self._stopping.is_set():
+                    return False
+                self.last_error = exc.message
+                self._crashes.append(time.monotonic())
+                if self.run_dir:
+                    append_event(self.run_dir, "worker_start_failed", exc.message, instance=self.index)
+                return False
+            self.restarts += 1
+            if self.run_dir:
+                append_event(self.run_dir, "worker_restarted", f"instance {self.index} restarted (pid {self.pid})",
+                             instance=self.index, pid=self.pid, restarts=self.restarts)
+            return True
+
+    def request_stop(self) -> None:
+        """Mark the worker as stopping: no restarts from now on; a running batch still finishes."""
+        self._stopping.set()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the worker: let a running batch finish (up to grace_s), then end the process."""
+        self._stopping.set()
+        self.ready = False
+        if self._proc is None:
+            return
+        if self._lock.acquire(timeout=grace_s):
+            try:
+                try:
+                    if self._proc.poll() is None:
+                        self._conn.send(("stop",))
+                except OSError:
+                    pass
+                _reap(self._proc, grace_s)
+            finally:
+                self._lock.release()
+        self._kill()
+
+    def _kill(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            _reap(proc)
+        if proc.poll() is None:
+            proc.kill()
+            _reap(proc)
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+
+
+def _reap(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _batch_of(inputs: dict[str, np.ndarray]) -> int:
+    for arr in inputs.values():
+        return int(arr.shape[0]) if arr.ndim else 1
+    return 1

@@ -1,0 +1,220 @@
+"""The v2 REST front door on a real port: plain httpx JSON and tritonclient (binary extension)."""
+import asyncio
+import json
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from reamer.serve.backends import open_backend
+from reamer.serve.batcher import DynamicBatcher
+from reamer.serve.frontdoor import HEADER_LENGTH, FrontDoor, create_app
+from reamer.serve.models import build_model
+from reamer.serve.spec import InstanceSpec
+from reamer.serve.worker import InstanceWorker
+from tests.conftest import wait_for
+
+CPU = sorted(os.sched_getaffinity(0))[-1]
+
+
+class Served:
+    """A batcher + front door running on an event loop in a background thread."""
+
+    def __init__(self, model_path, tmp_path, slo_ms=None):
+        self.worker = InstanceWorker(0, InstanceSpec([CPU], 1, 4), model_path, run_dir=str(tmp_path))
+        self.worker.start()
+        self.batcher = DynamicBatcher(slo_ms=slo_ms, name="mio")
+        self.door = FrontDoor(create_app("mio", self.batcher), "127.0.0.1", 0)
+        self.url = f"127.0.0.1:{self.door.port}"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),), daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.door.started, what="front door to start")
+
+    async def _main(self):
+        self.batcher.add_instance(self.worker)
+        await self.door.serve()
+        await self.batcher.close()
+
+    def close(self):
+        if self.worker.alive:
+            os.kill(self.worker.pid, signal.SIGCONT)
+        self.loop.call_soon_threadsafe(self.door.request_stop)
+        self.thread.join(30)
+        self.worker.stop(grace_s=5)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model("multi-io", tmp_path_factory.mktemp("m") / "mio.onnx").path
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    ref = open_backend("onnxruntime", model, 1)
+    yield ref
+    ref.close()
+
+
+@pytest.fixture(scope="module")
+def served(model, tmp_path_factory):
+    """One server for the module (starting one costs seconds); the crash test, last, checks recovery."""
+    s = Served(model, tmp_path_factory.mktemp("run"))
+    yield s
+    s.close()
+
+
+def _inputs(batch, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((batch, 8)).astype(np.float32), "ids": rng.integers(0, 10, (batch, 4))}
+
+
+def test_health_and_metadata(served):
+    with httpx.Client(base_url=f"http://{served.url}") as c:
+        assert c.get("/v2/health/live").status_code == 200
+        assert c.get("/v2/health/ready").status_code == 200
+        assert c.get("/v2").json()["extensions"] == ["binary_tensor_data"]
+        meta = c.get("/v2/models/mio").json()
+        assert meta["name"] == "mio" and meta["platform"] == "onnxruntime_onnx"
+        assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 8]},
+                                  {"name": "ids", "datatype": "INT64", "shape": [-1, 4]}]
+        assert [o["name"] for o in meta["outputs"]] == ["scores", "id_sum"]
+        assert c.get("/v2/models/mio/ready").status_code == 200
+        r = c.get("/v2/models/other")
+        assert r.status_code == 404 and "unknown model 'other'" in r.json()["error"]
+    client = triton.InferenceServerClient(served.url)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("mio")
+    assert client.get_model_metadata("mio")["inputs"][1]["datatype"] == "INT64"
+
+
+def test_json_infer_with_httpx_matches_the_model(served, reference):
+    feeds = _inputs(3)
+    body = {"id": "r1", "inputs": [
+        {"name": "x", "shape": [3, 8], "datatype": "FP32", "data": feeds["x"].tolist()},  # nested
+        {"name": "ids", "shape": [3, 4], "datatype": "INT64", "data": feeds["ids"].ravel().tolist()},  # flat
+    ]}
+    r = httpx.post(f"http://{served.url}/v2/models/mio/infer", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["id"] == "r1" and out["model_name"] == "mio"
+    by_name = {o["name"]: o for o in out["outputs"]}
+    want = reference.run(feeds)
+    assert by_name["scores"]["shape"] == [3, 4] and by_name["scores"]["datatype"] == "FP32"
+    np.testing.assert_allclose(np.array(by_name["scores"]["data"]).reshape(3, 4), want["scores"], rtol=1e-5)
+    assert by_name["id_sum"]["data"] == want["id_sum"].ravel().tolist()
+
+
+def test_binary_output_on_request_parameter(served, reference):
+    feeds = _inputs(2, seed=4)
+    body = {"inputs": [{"name": n, "shape": list(a.shape), "datatype": "FP32" if n == "x" else "INT64",
+                        "data": a.ravel().tolist()} for n, a in feeds.items()],
+            "outputs": [{"name": "scores"}, {"name": "id_sum", "parameters": {"binary_data": False}}],
+            "parameters": {"binary_data_output": True}}
+    r = httpx.post(f"http://{served.url}/v2/models/mio/infer", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    n = int(r.headers[HEADER_LENGTH])
+    head = json.loads(r.content[:n])
+    scores, id_sum = head["outputs"]
+    assert scores["parameters"]["binary_data_size"] == 2 * 4 * 4 and "data" not in scores
+    got = np.frombuffer(r.content[n:], dtype="<f4").reshape(2, 4)
+    np.testing.assert_allclose(got, reference.run(feeds)["scores"], rtol=1e-5)
+    assert id_sum["data"] == reference.run(feeds)["id_sum"].ravel().tolist()
+
+
+def test_tritonclient_binary_in_and_out(served, reference):
+    client = triton.InferenceServerClient(served.url)
+    feeds = _inputs(5, seed=2)
+    ins = []
+    for name, dt in (("x", "FP32"), ("ids", "INT64")):
+        i = triton.InferInput(name, list(feeds[name].shape), dt)
+        i.set_data_from_numpy(feeds[name])  # binary by default
+        ins.append(i)
+    res = client.infer("mio", ins)  # no outputs named: all come back binary
+    want = reference.run(feeds)
+    np.testing.assert_allclose(res.as_numpy("scores"), want["scores"], rtol=1e-5)
+    np.testing.assert_array_equal(res.as_numpy("id_sum"), want["id_sum"])
+    # Mixed: JSON input, one output asked for as JSON.
+    ins[0].set_data_from_numpy(feeds["x"], binary_data=False)
+    res = client.infer("mio", ins, outputs=[triton.InferRequestedOutput("id_sum", binary_data=False)])
+    np.testing.assert_array_equal(res.as_numpy("id_sum"), want["id_sum"])
+    assert res.as_numpy("scores") is None
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda b: b["inputs"][0].update(name="nope"), "unknown input 'nope'"),
+    (lambda b: b["inputs"][0].update(shape=[2, 7]), "shape [2, 7]"),
+    (lambda b: b["inputs"][1].update(datatype="FP32"), "expects INT64"),
+    (lambda b: b["inputs"].pop(), "missing input"),
+    (lambda b: b["inputs"][0].update(data=[1.0, 2.0]), "do not fill"),
+    (lambda b: b.update(outputs=[{"name": "nah"}]), "unknown output 'nah'"),
+])
+def test_bad_requests_get_400_with_a_message(served, mutate, words):
+    feeds = _inputs(2)
+    body = {"inputs": [{"name": "x", "shape": [2, 8], "datatype": "FP32", "data": feeds["x"].ravel().tolist()},
+                       {"name": "ids", "shape": [2, 4], "datatype": "INT64", "data": feeds["ids"].ravel().tolist()}]}
+    mutate(body)
+    r = httpx.post(f"http://{served.url}/v2/models/mio/infer", json=body, timeout=30)
+    assert r.status_code == 400 and words in r.json()["error"], r.text
+
+
+def test_malformed_bodies_and_tritonclient_errors(served):
+    url = f"http://{served.url}/v2/models/mio/infer"
+    r = httpx.post(url, content=b"{nope", timeout=30)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+    r = httpx.post(url, content=b"{}", headers={HEADER_LENGTH: "99"}, timeout=30)
+    assert r.status_code == 400 and HEADER_LENGTH in r.json()["error"]
+    r = httpx.post(f"http://{served.url}/v2/models/zzz/infer", json={"inputs": []}, timeout=30)
+    assert r.status_code == 404 and "zzz" in r.json()["error"]
+    client = triton.InferenceServerClient(served.url)
+    x = triton.InferInput("x", [1, 3], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 3), np.float32))
+    with pytest.raises(InferenceServerException, match="shape"):
+        client.infer("mio", [x])
+
+
+def test_over_capacity_is_a_503_with_the_reason(served):
+    url = f"http://{served.url}/v2/models/mio/infer"
+    feeds = _inputs(1)
+    body = {"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": feeds["x"].ravel().tolist()},
+                       {"name": "ids", "shape": [1, 4], "datatype": "INT64", "data": feeds["ids"].ravel().tolist()}]}
+    w, b = served.worker, served.batcher
+    os.kill(w.pid, signal.SIGSTOP)
+    b.slo_ms, w.latency_ewma_s = 1000.0, 2.0  # as if a batch had measured 2 s: nothing new can meet 1 s
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(httpx.post, url, json=body, timeout=60)
+            wait_for(lambda: w.busy, what="request in flight")
+            r = httpx.post(url, json=body, timeout=60)
+            os.kill(w.pid, signal.SIGCONT)
+            assert held.result().status_code == 200
+    finally:
+        os.kill(w.pid, signal.SIGCONT)
+        b.slo_ms = None
+    assert r.status_code == 503 and "over capacity" in r.json()["error"] and "SLO" in r.json()["error"]
+
+
+def test_worker_killed_mid_request_gives_clear_503_then_recovers(served):
+    url = f"http://{served.url}/v2/models/mio/infer"
+    feeds = _inputs(1)
+    body = {"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": feeds["x"].ravel().tolist()},
+                       {"name": "ids", "shape": [1, 4], "datatype": "INT64", "data": feeds["ids"].ravel().tolist()}]}
+    w = served.worker
+    old = w.pid
+    os.kill(old, signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(httpx.post, url, json=body, timeout=60)
+        wait_for(lambda: w.busy, what="request in flight")
+        os.kill(old, signal.SIGKILL)
+        r = fut.result()
+    assert r.status_code == 503
+    assert "instance 0 crashed" in r.json()["error"] and "retry" in r.json()["error"]
+    wait_for(lambda: w.ready and w.pid != old, timeout=60, what="worker restart")
+    assert httpx.get(f"http://{served.url}/v2/health/ready").status_code == 200
+    assert httpx.post(url, json=body, timeout=60).status_code == 200
