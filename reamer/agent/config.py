@@ -1,0 +1,165 @@
+"""The agent's configuration: a YAML file (see configs/reamer.yaml) validated into AgentConfig.
+
+Flags of `reamer daemon` arrive as overrides: a dict whose keys are top-level names or dotted
+paths ("training.priority"); they win over the file.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from reamer.host.cpulist import parse_cpulist
+from reamer.host.errors import ReamerError
+
+DEFAULT_CONFIG_DOC = "configs/reamer.yaml"
+
+
+class ConfigError(ReamerError):
+    """The agent config names an unknown key or holds a value the agent cannot use."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrainingConfig(_Section):
+    # SCHED_RR priority of every training thread (1..99).
+    priority: int = Field(default=50, ge=1, le=99)
+    # Real-time budget (µs per cpu.rt_period_us, per CPU) of the shared training cpu cgroup and its
+    # parent. It must stay below the root's 950000 so the kernel's RT throttling keeps working.
+    rt_runtime_us: int = Field(default=900000, ge=1000, le=950000)
+
+
+class InferenceConfig(_Section):
+    # How offline instances on training cores give way: "rr-preempt" = they run SCHED_OTHER and the
+    # SCHED_RR training threads preempt them; "idle" = they also run SCHED_IDLE.
+    offline_sched: Literal["rr-preempt", "idle"] = "rr-preempt"
+    default_backend: Literal["onnxruntime", "openvino"] = "onnxruntime"
+    # "module:function" returning reamer.agent.inference.LayoutChoice (None: built-in profile-cache chooser).
+    layout_chooser: Optional[str] = None
+    # Where cached profiles are read from (default: <state_dir>/profiles).
+    profile_dir: Optional[str] = None
+    # Crash-loop guard: a job process restarted more than restart_limit times in restart_window_s fails.
+    restart_limit: int = Field(default=5, ge=0)
+    restart_window_s: float = Field(default=60.0, gt=0)
+
+
+class AgentConfig(_Section):
+    socket: str = "/run/reamer/reamer.sock"
+    state_dir: str = "/var/lib/reamer"
+    run_dir: str = "/run/reamer"
+    cgroup_root: str = "/sys/fs/cgroup"
+    cgroup_name: str = Field(default="reamer", pattern=r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
+    # Housekeeping CPUs (OS, agent, IRQs): never given to training, never RT. [] allowed.
+    reserved_cpus: list[int] = Field(default_factory=lambda: [0])
+    reconcile_interval_s: float = Field(default=1.0, gt=0, le=60)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    # Passed to reamer.gpu.config.GpuConfig.from_dict; {} = defaults.
+    gpu: dict[str, Any] = Field(default_factory=dict)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("reserved_cpus", mode="before")
+    @classmethod
+    def _cpulist(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        if isinstance(value, int):
+            return [value]
+        if isinstance(value, str):
+            return parse_cpulist(value) if value.strip() else []
+        return value
+
+    @property
+    def store_path(self) -> Path:
+        return Path(self.state_dir) / "state.db"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return Path(self.run_dir) / "jobs"
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _describe(error: dict[str, Any], source: str) -> tuple[str, str]:
+    key = ".".join(str(p) for p in error["loc"]) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        return (f"unknown config key {key!r} in {source}",
+                f"remove it or fix its spelling; every key is documented in {DEFAULT_CONFIG_DOC}")
+    return (f"config key {key!r} in {source}: {error['msg']} (got {error.get('input')!r})",
+            f"set {key} to a valid value; see {DEFAULT_CONFIG_DOC}")
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> AgentConfig:
+    try:
+        config = AgentConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = [_describe(e, source) for e in exc.errors()]
+        message = "; ".join(p for p, _ in problems)
+        raise ConfigError(message, problems[0][1]) from None
+    except ValueError as exc:  # parse_cpulist in a validator
+        raise ConfigError(f"bad value in {source}: {exc}", f"see {DEFAULT_CONFIG_DOC}") from None
+    if config.gpu:
+        validate_gpu_section(config.gpu, source)
+    return config
+
+
+def validate_gpu_section(gpu: dict[str, Any], source: str) -> None:
+    try:
+        from reamer.gpu.config import GpuConfig
+    except ImportError:
+        return
+    try:
+        GpuConfig.from_dict(gpu)
+    except ReamerError as exc:
+        raise ConfigError(f"config section 'gpu' in {source}: {exc.message}", exc.fix) from None
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ConfigError(f"config section 'gpu' in {source}: {exc}", f"see {DEFAULT_CONFIG_DOC}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> AgentConfig:
+    """Read `path` (YAML; None = built-in defaults), apply `overrides`, validate."""
+    data: dict[str, Any] = {}
+    source = "built-in defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist",
+                              f"pass an existing file to --config (an example: {DEFAULT_CONFIG_DOC})") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}",
+                              "check the path and its permissions") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+            raise ConfigError(f"config file {path} is not valid YAML{at}: {getattr(exc, 'problem', exc)}",
+                              "fix the YAML syntax (indent with spaces, 'key: value')") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must be a mapping of keys to values, not {type(loaded).__name__}",
+                              f"write it as 'key: value' lines like {DEFAULT_CONFIG_DOC}")
+        data = copy.deepcopy(loaded)
+    for key, value in (overrides or {}).items():
+        _set_dotted(data, key, value)
+    if overrides:
+        source += " + command-line flags"
+    return config_from_dict(data, source)

@@ -1,0 +1,566 @@
+"""Supervise inference jobs: placement, JobSpec files, job processes, their status and events.
+
+Each job runs as `python -m reamer.serve.job --spec <run_dir>/jobs/<name>/spec.json` in its own
+session, so it survives an agent restart; the agent re-attaches by pid (checked against
+/proc/<pid>/cmdline). A placement change rewrites the spec and sends SIGHUP; an online job that
+loses its cores is stopped and waits (state "pending") until cores are free again.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import psutil
+
+from reamer.agent.errors import AdmissionRefused, InvalidRequest
+from reamer.host.errors import ReamerError
+from reamer.serve.spec import EVENTS_FILE, STATUS_FILE, InstanceSpec, JobSpec, JobStatus, read_events
+
+log = logging.getLogger("reamer.inference")
+
+DEFAULT_BATCH = 4
+STOP_TIMEOUT_S = 5.0
+LEAVE_TIMEOUT_S = 5.0
+FORWARDED_EVENTS = ("overload", "worker_crashed", "worker_restarted", "done", "failed")
+
+EmitFn = Callable[..., Any]  # emit(kind, message, job=None, data=None)
+
+
+# --- layout choice (pluggable) -----------------------------------------------------------------
+
+@dataclass
+class LayoutChoice:
+    """What a layout chooser decided for an online job on the given cores."""
+
+    layout: str | None  # None: no opinion (the default: one instance over all free cores)
+    accepted: bool = True
+    achievable_rps: float | None = None
+    reason: str = ""
+
+
+# choose_layout(model, backend, cpus, slo_ms, rate_rps) -> LayoutChoice | None
+LayoutChooser = Callable[[str, str, list[int], "float | None", "float | None"], "LayoutChoice | None"]
+
+
+def load_chooser(spec: str | None, profile_dir: str | Path) -> LayoutChooser:
+    """A chooser from "module:function", or the built-in profile-cache chooser."""
+    if not spec:
+        return ProfileCacheChooser(profile_dir)
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ReamerError(f"inference.layout_chooser {spec!r} cannot be loaded: {exc}",
+                          "give an importable 'module:function', or remove the key") from None
+
+
+class ProfileCacheChooser:
+    """Plans from cached profiles only (no measuring in the request path): plan_from_profile + admit.
+
+    Without a cached profile for (model, backend, cpu) it has no opinion; `reamer profile MODEL`
+    fills the cache."""
+
+    def __init__(self, profile_dir: str | Path) -> None:
+        self.profile_dir = Path(profile_dir)
+
+    def __call__(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
+                 rate_rps: float | None) -> LayoutChoice | None:
+        try:
+            from reamer.plan.layout import format_layout
+            from reamer.plan.partition import NoFeasibleLayout
+            from reamer.plan.search import plan_from_profile
+            from reamer.serve.profile_cache import ProfileCache, model_key
+        except ImportError:
+            return None
+        if not cpus or not self.profile_dir.is_dir():
+            return None
+        try:
+            points = ProfileCache(self.profile_dir).get(model_key(model, backend))
+        except (OSError, ValueError) as exc:  # an unreadable cache is "no opinion", never a failed deploy
+            log.debug("no profile for %s/%s: %s", model, backend, exc)
+            return None
+        if not points:
+            return None
+        try:
+            candidate = plan_from_profile(points, len(cpus), slo_ms)
+        except NoFeasibleLayout as exc:
+            return LayoutChoice(None, accepted=False, achievable_rps=0.0, reason=exc.message)
+        layout = format_layout(candidate.layout)
+        if rate_rps is None or slo_ms is None:
+            return LayoutChoice(layout)
+        try:
+            from reamer.plan.admission import admit
+        except ImportError:
+            accepted = candidate.rps >= rate_rps
+            return LayoutChoice(layout, accepted, candidate.rps, "" if accepted else "predicted throughput too low")
+        decision = admit(candidate, rate_rps, slo_ms)
+        return LayoutChoice(layout, decision.accepted, decision.achievable_rps, decision.reason)
+
+
+# --- records ----------------------------------------------------------------------------------
+
+@dataclass
+class InferenceRecord:
+    """One inference job as the agent keeps it (stored as JSON)."""
+
+    name: str
+    model: str
+    kind: str
+    backend: str
+    slo_ms: float | None = None
+    rate_rps: float | None = None
+    port: int | None = None
+    input_dir: str | None = None
+    output_dir: str | None = None
+    max_batch: int | None = None
+    layout: str | None = None  # asked for or chosen; None = default
+    cores: int | None = None  # online without a layout: one instance on this many cores (all free at deploy)
+    state: str = "pending"  # running | pending | done | failed
+    pid: int | None = None
+    pid_started: float | None = None  # psutil create_time, against pid reuse
+    instances: list[dict[str, Any]] = field(default_factory=list)
+    message: str = ""
+    created_at: float = field(default_factory=time.time)
+    restarts: list[float] = field(default_factory=list)
+    events_offset: int = 0
+
+    def to_doc(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> "InferenceRecord":
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(text[-lines:])
+
+
+# --- the supervisor ---------------------------------------------------------------------------
+
+class InferenceSupervisor:
+    """Not thread-safe by itself: the Agent calls it under its lock (long waits are separate calls)."""
+
+    def __init__(self, run_dir: str | Path, reserved_cpus: Iterable[int], *, offline_sched: str = "rr-preempt",
+                 emit: EmitFn | None = None, save: Callable[[InferenceRecord], None] | None = None,
+                 restart_limit: int = 5, restart_window_s: float = 60.0, python: str = sys.executable) -> None:
+        self.jobs_dir = Path(run_dir) / "jobs"
+        self.reserved = sorted(reserved_cpus)
+        self.offline_sched = offline_sched
+        self.emit = emit or (lambda *a, **k: None)
+        self.save = save or (lambda rec: None)
+        self.restart_limit = restart_limit
+        self.restart_window_s = restart_window_s
+        self.python = python
+        self.records: dict[str, InferenceRecord] = {}
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._status: dict[str, JobStatus] = {}
+
+    # --- paths ---
+
+    def job_dir(self, name: str) -> Path:
+        return self.jobs_dir / name
+
+    def spec_path(self, name: str) -> Path:
+        return self.job_dir(name) / "spec.json"
+
+    # --- adoption after an agent restart ---
+
+    def adopt(self, rec: InferenceRecord) -> None:
+        """Take over a job from the store: keep its process if it is still ours, else restart it later."""
+        self.records[rec.name] = rec
+        if rec.pid and not self._is_our_process(rec):
+            log.info("job %s: process %s is gone; will start it again", rec.name, rec.pid)
+            rec.pid = None
+            rec.pid_started = None
+            self.save(rec)
+
+    def _is_our_process(self, rec: InferenceRecord) -> bool:
+        if not rec.pid:
+            return False
+        try:
+            proc = psutil.Process(rec.pid)
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return False
+            if rec.pid_started and abs(proc.create_time() - rec.pid_started) > 1.0:
+                return False
+        except psutil.Error:
+            return False
+        cmd = _cmdline(rec.pid)
+        return "reamer.serve.job" in cmd and str(self.spec_path(rec.name)) in cmd
+
+    # --- placement ---
+
+    def demands(self) -> list:
+        active = [rec for rec in sorted(self.records.values(), key=lambda r: (r.created_at, r.name))
+                  if rec.state not in ("done", "failed")]
+        if not active:
+            return []
+        from reamer.plan.layout import parse_layout
+        from reamer.plan.placement import InferenceDemand
+
+        result = []
+        for rec in active:
+            layout = parse_layout(rec.layout) if rec.layout else None
+            cores = None if layout is not None or rec.kind == "offline" else max(1, rec.cores or 1)
+            result.append(InferenceDemand(job=rec.name, kind=rec.kind, layout=layout, cores=cores,
+                                          batch=rec.max_batch or DEFAULT_BATCH))
+        return result
+
+    def previous(self) -> dict[str, list]:
+        from reamer.plan.placement import PlacedInstance
+
+        return {name: [PlacedInstance(cpus=tuple(i["cpus"]), threads=i["threads"], batch=i["max_batch"],
+                                      on_training=i.get("on_training", False)) for i in rec.instances]
+                for name, rec in self.records.items() if rec.instances}
+
+    def replan(self, idle_cpus: list[int], training_cpus: Iterable[int]) -> dict[str, str]:
+        """Place every job on the current cores and apply the difference.
+
+        Returns {job: "stopped"|"moved"|"started"} for jobs whose processes must react."""
+        demands = self.demands()
+        if not demands:
+            return {}
+        from reamer.plan.placement import place
+
+        training = sorted(set(training_cpus))
+        result = place(list(idle_cpus), set(training), demands, self.previous())
+        changes: dict[str, str] = {}
+        for demand in demands:
+            rec = self.records[demand.job]
+            placed = result.assignments.get(rec.name) or []
+            instances = [self._instance_doc(rec, p) for p in placed]
+            if not instances:
+                reason = (f"waiting for free cores ({'training holds' if training else 'other jobs hold'} them)"
+                          if rec.kind == "online" else "waiting for cores")
+                running = self.is_running(rec)
+                if running or rec.state != "pending" or rec.message != reason or rec.instances:
+                    rec.state, rec.instances, rec.message = "pending", [], reason
+                    self.save(rec)  # the store first, then the host
+                    self.emit("inference_pending", f"{rec.name} is pending: {reason}", job=rec.name)
+                if running:
+                    self._stop(rec)
+                    changes[rec.name] = "stopped"
+                continue
+            running = self.is_running(rec)
+            if instances == rec.instances and running:
+                continue
+            old = rec.instances
+            rec.instances, rec.message, rec.state = instances, "", "running"
+            self.save(rec)  # the store first, then the host
+            self._write_spec(rec)
+            if running:
+                self._signal(rec, signal.SIGHUP)
+                self.emit("replanned", f"{rec.name} moved to cpus {self._cpus_text(rec)}", job=rec.name,
+                          data={"from": old, "to": instances})
+                changes[rec.name] = "moved"
+            else:
+                self._start(rec)
+                changes[rec.name] = "started"
+        return changes
+
+    def _instance_doc(self, rec: InferenceRecord, placed) -> dict[str, Any]:
+        return {"cpus": sorted(int(c) for c in placed.cpus), "threads": int(placed.threads),
+                "max_batch": int(placed.batch or DEFAULT_BATCH), "on_training": bool(placed.on_training)}
+
+    @staticmethod
+    def _cpus_text(rec: InferenceRecord) -> str:
+        from reamer.host.cpulist import format_cpulist
+
+        return format_cpulist({c for i in rec.instances for c in i["cpus"]}) or "-"
+
+    def build_spec(self, rec: InferenceRecord) -> JobSpec:
+        instances = [InstanceSpec(cpus=list(i["cpus"]), threads=i["threads"], max_batch=i["max_batch"],
+                                  sched="idle" if i["on_training"] and self.offline_sched == "idle" else "other")
+                     for i in rec.instances]
+        own = sorted({c for i in rec.instances if not i["on_training"] for c in i["cpus"]})
+        frontdoor = self.reserved or own or sorted({c for i in rec.instances for c in i["cpus"]})
+        return JobSpec(name=rec.name, kind=rec.kind, model=rec.model, backend=rec.backend, instances=instances,
+                       frontdoor_cpus=frontdoor, slo_ms=rec.slo_ms, rate_rps=rec.rate_rps, port=rec.port,
+                       input_dir=rec.input_dir, output_dir=rec.output_dir, run_dir=str(self.job_dir(rec.name)))
+
+    def allowed_cpus(self, rec: InferenceRecord) -> set[int]:
+        spec = self.build_spec(rec)
+        return set(spec.frontdoor_cpus) | {c for i in spec.instances for c in i.cpus}
+
+    def _write_spec(self, rec: InferenceRecord) -> None:
+        self.job_dir(rec.name).mkdir(parents=True, exist_ok=True)
+        self.build_spec(rec).save(self.spec_path(rec.name))
+
+    # --- processes ---
+
+    def is_running(self, rec: InferenceRecord) -> bool:
+        proc = self._procs.get(rec.name)
+        if proc is not None:
+            return proc.poll() is None
+        return self._is_our_process(rec)
+
+    def _start(self, rec: InferenceRecord) -> None:
+        job_dir = self.job_dir(rec.name)
+        job_dir.mkdir(parents=True, exist_ok=True)
+        self._write_spec(rec)
+        try:
+            (job_dir / STATUS_FILE).unlink()
+        except FileNotFoundError:
+            pass
+        self._status.pop(rec.name, None)
+        events = job_dir / EVENTS_FILE
+        rec.events_offset = events.stat().st_size if events.exists() else 0
+        with open(job_dir / "job.log", "ab") as log_file:
+            proc = subprocess.Popen(
+                [self.python, "-m", "reamer.serve.job", "--spec", str(self.spec_path(rec.name))],
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd=job_dir,
+                start_new_session=True, close_fds=True)
+        self._procs[rec.name] = proc
+        rec.pid = proc.pid
+        try:
+            rec.pid_started = psutil.Process(proc.pid).create_time()
+        except psutil.Error:
+            rec.pid_started = None
+        rec.state = "running"
+        self.save(rec)
+        self.emit("inference_started", f"{rec.name} started (pid {proc.pid}) on cpus {self._cpus_text(rec)}",
+                  job=rec.name, data={"pid": proc.pid, "instances": rec.instances})
+
+    def _signal(self, rec: InferenceRecord, sig: int) -> None:
+        if rec.pid:
+            try:
+                os.kill(rec.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _stop(self, rec: InferenceRecord) -> None:
+        """SIGTERM now; wait_stopped() does the waiting (and SIGKILL) outside the agent lock."""
+        if self.is_running(rec):
+            self._signal(rec, signal.SIGTERM)
+
+    def wait_stopped(self, name: str, pid: int | None, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Wait for a job process to exit after SIGTERM; kill its whole session after `timeout`."""
+        if not pid:
+            return
+        proc = self._procs.get(name)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc is not None and proc.pid == pid:
+                if proc.poll() is not None:
+                    return
+            elif not psutil.pid_exists(pid) or _is_zombie(pid):
+                return
+            time.sleep(0.05)
+        log.warning("job %s (pid %d) did not stop within %.0fs; killing its session", name, pid, timeout)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if proc is not None and proc.pid == pid:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def processes_outside(self, name: str) -> list[int]:
+        """Processes of the job whose CPU affinity is not within its current allowed cpus."""
+        rec = self.records.get(name)
+        if rec is None or not rec.pid or not rec.instances:
+            return []
+        allowed = self.allowed_cpus(rec)
+        outside = []
+        try:
+            root = psutil.Process(rec.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                try:
+                    if not set(proc.cpu_affinity()) <= allowed:
+                        outside.append(proc.pid)
+                except psutil.Error:
+                    continue
+        except psutil.Error:
+            return []
+        return outside
+
+    def wait_left(self, changes: dict[str, str], pids: dict[str, int | None], timeout: float = LEAVE_TIMEOUT_S) -> bool:
+        """After a replan: wait until stopped jobs exited and moved jobs run within their new cpus."""
+        deadline = time.monotonic() + timeout
+        for name, change in changes.items():
+            if change == "stopped":
+                self.wait_stopped(name, pids.get(name), max(0.5, deadline - time.monotonic()))
+        while time.monotonic() < deadline:
+            if not any(self.processes_outside(name) for name, change in changes.items() if change == "moved"):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def remove(self, name: str) -> int | None:
+        """Forget the job and SIGTERM its process; returns the pid to wait_stopped() on."""
+        rec = self.records.pop(name)
+        pid = rec.pid if self.is_running(rec) else None
+        if pid:
+            self._signal(rec, signal.SIGTERM)
+        return pid
+
+    def forget_process(self, name: str) -> None:
+        self._procs.pop(name, None)
+
+    # --- the periodic pass ---
+
+    def status_of(self, name: str) -> JobStatus | None:
+        return self._status.get(name)
+
+    def tick(self) -> bool:
+        """Read status and events, notice exits, restart crashed jobs. Returns True when cores changed hands
+        (a job ended), so the caller re-plans."""
+        changed = False
+        for rec in list(self.records.values()):
+            self._read_status(rec)
+            self._forward_events(rec)
+            if rec.state != "running" or rec.pid is None:
+                continue
+            if self.is_running(rec):
+                continue
+            changed |= self._handle_exit(rec)
+        return changed
+
+    def _read_status(self, rec: InferenceRecord) -> None:
+        path = self.job_dir(rec.name) / STATUS_FILE
+        try:
+            status = JobStatus.load(path)
+        except (OSError, ValueError, TypeError):
+            return
+        self._status[rec.name] = status
+        if status.port and not rec.port:
+            rec.port = status.port
+            self.save(rec)
+
+    def _forward_events(self, rec: InferenceRecord) -> None:
+        events, offset = read_events(self.job_dir(rec.name), rec.events_offset)
+        if offset == rec.events_offset:
+            return
+        rec.events_offset = offset
+        for event in events:
+            kind = str(event.get("kind", "job_event"))
+            data = {k: v for k, v in event.items() if k not in ("kind", "message", "ts")}
+            self.emit(kind, f"{rec.name}: {event.get('message', kind)}", job=rec.name, data=data)
+        self.save(rec)
+
+    def _handle_exit(self, rec: InferenceRecord) -> bool:
+        proc = self._procs.pop(rec.name, None)
+        code = proc.poll() if proc is not None else None
+        status = self._status.get(rec.name)
+        log_path = self.job_dir(rec.name) / "job.log"
+        if (status is not None and status.state == "done") or (rec.kind == "offline" and code == 0):
+            rec.state, rec.pid, rec.instances = "done", None, []
+            rec.message = "all inputs done"
+            self.save(rec)
+            self.emit("inference_done", f"{rec.name} finished", job=rec.name)
+            return True
+        if status is not None and status.state == "failed":  # the job gave up itself: restarting will not help
+            rec.state, rec.pid, rec.instances = "failed", None, []
+            rec.message = f"{status.message or 'failed'} (see {log_path})"
+            self.save(rec)
+            self.emit("inference_failed", f"{rec.name} failed: {rec.message}", job=rec.name)
+            return True
+        now = time.time()
+        rec.restarts = [t for t in rec.restarts if now - t < self.restart_window_s]
+        why = f"exit code {code}" if code is not None else "process gone"
+        tail = _tail(log_path)
+        if len(rec.restarts) >= self.restart_limit:
+            rec.state, rec.pid, rec.instances = "failed", None, []
+            rec.message = (f"crashed {len(rec.restarts) + 1} times within {self.restart_window_s:.0f}s ({why}); "
+                           f"last log lines: {tail or '(none)'} — see {log_path}; fix the cause and deploy it again")
+            self.save(rec)
+            self.emit("inference_failed", f"{rec.name} failed: {rec.message}", job=rec.name)
+            return True
+        rec.restarts.append(now)
+        self.emit("inference_crashed", f"{rec.name} exited unexpectedly ({why}); restarting", job=rec.name,
+                  data={"log_tail": tail})
+        self._start(rec)
+        return False
+
+    def close(self) -> None:
+        """Drop Popen handles without touching the processes (they outlive the agent)."""
+        self._procs.clear()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def validate_request(req: dict[str, Any], default_backend: str) -> InferenceRecord:
+    """Turn an API request into a record; raises InvalidRequest naming the field and the fix."""
+    model = Path(req["model"])
+    if not model.is_absolute():
+        raise InvalidRequest(f"model path {req['model']!r} is relative; the agent cannot know your directory",
+                             "pass an absolute path (the CLI does this for you)")
+    if not model.is_file():
+        raise InvalidRequest(f"model file {model} does not exist on this node",
+                             "build one with `reamer models build tiny --out FILE` or copy the ONNX file here")
+    backend = req.get("backend") or default_backend
+    if backend not in ("onnxruntime", "openvino"):
+        raise InvalidRequest(f"backend {backend!r} is unknown", "use onnxruntime or openvino")
+    layout = req.get("layout")
+    if layout:
+        from reamer.plan.layout import format_layout, parse_layout
+
+        try:
+            layout = format_layout(parse_layout(layout))
+        except ValueError as exc:
+            raise InvalidRequest(f"layout {req['layout']!r} is invalid: {exc}",
+                                 'write it like "2x1:b4" (instances x cores : batch) or "2x1:b4+1x2:b8"') from None
+    kind = req["kind"]
+    if kind == "offline":
+        for key in ("input_dir", "output_dir"):
+            if not Path(req[key]).is_absolute():
+                raise InvalidRequest(f"{key} {req[key]!r} is relative", "pass an absolute path")
+        if not Path(req["input_dir"]).is_dir():
+            raise InvalidRequest(f"input directory {req['input_dir']} does not exist",
+                                 "create it and put .npy/.npz inputs in it")
+        Path(req["output_dir"]).mkdir(parents=True, exist_ok=True)
+    return InferenceRecord(name=req["name"], model=str(model), kind=kind, backend=backend,
+                           slo_ms=req.get("slo_ms"), rate_rps=req.get("rate_rps"), port=req.get("port"),
+                           input_dir=req.get("input_dir"), output_dir=req.get("output_dir"),
+                           max_batch=req.get("max_batch"), layout=layout or None)
+
+
+def apply_choice(rec: InferenceRecord, choice: LayoutChoice | None, cpus: list[int]) -> None:
+    """Use the chooser's layout, or refuse admission with the achievable rate."""
+    if choice is None:
+        return
+    if not choice.accepted:
+        achievable = f"{choice.achievable_rps:.1f} rps" if choice.achievable_rps is not None else "less"
+        raise AdmissionRefused(
+            f"online job {rec.name!r} cannot serve {rec.rate_rps} rps within {rec.slo_ms} ms on the "
+            f"{len(cpus)} free core(s): the best layout sustains {achievable}"
+            + (f" ({choice.reason})" if choice.reason else ""),
+            "lower --rate, relax --slo-ms, or free cores (detach training / remove other online jobs)",
+            achievable_rps=choice.achievable_rps, layout=choice.layout)
+    if choice.layout:
+        rec.layout = choice.layout

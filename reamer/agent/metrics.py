@@ -1,0 +1,84 @@
+"""Prometheus metrics of the agent: one registry, values read from the agent at scrape time."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from reamer.agent.service import Agent
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class AgentCollector:
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.agent.snapshot()
+        jobs = GaugeMetricFamily("reamer_training_jobs", "Training jobs pinned by the agent")
+        jobs.add_metric([], len(snap["training"]))
+        yield jobs
+        rr = GaugeMetricFamily("reamer_training_rt_threads", "Threads of a training job running SCHED_RR", labels=["job"])
+        threads = GaugeMetricFamily("reamer_training_threads", "Threads of a training job", labels=["job"])
+        for name, state in snap["training"].items():
+            rr.add_metric([name], state.threads_rr)
+            threads.add_metric([name], state.threads)
+        yield rr
+        yield threads
+        cpus = GaugeMetricFamily("reamer_cpus", "CPUs by use", labels=["use"])
+        cpus.add_metric(["idle"], snap["idle_cpus"])
+        cpus.add_metric(["training"], snap["training_cpus"])
+        yield cpus
+        states = GaugeMetricFamily("reamer_inference_job_up", "1 per inference job, labelled with its state",
+                                   labels=["job", "state"])
+        rate = GaugeMetricFamily("reamer_inference_rate_rps", "Request rate of an online job", labels=["job"])
+        p99 = GaugeMetricFamily("reamer_inference_p99_ms", "p99 latency of an online job", labels=["job"])
+        attain = GaugeMetricFamily("reamer_inference_slo_attainment", "Fraction of requests within the SLO",
+                                   labels=["job"])
+        done = GaugeMetricFamily("reamer_inference_done", "Inputs finished by an offline job", labels=["job"])
+        for name, (state, status) in snap["inference"].items():
+            states.add_metric([name, state], 1)
+            if status is None:
+                continue
+            rate.add_metric([name], status.rate_rps or 0.0)
+            if status.p99_ms is not None:
+                p99.add_metric([name], status.p99_ms)
+            if status.slo_attainment is not None:
+                attain.add_metric([name], status.slo_attainment)
+            done.add_metric([name], status.done or 0)
+        yield from (states, rate, p99, attain, done)
+
+
+class AgentMetrics:
+    """The registry plus the reconcile-duration histogram the agent feeds."""
+
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+        self.registry = CollectorRegistry()
+        self.registry.register(AgentCollector(agent))
+        self.reconcile_seconds = Histogram("reamer_reconcile_duration_seconds", "Duration of one reconcile pass",
+                                           registry=self.registry,
+                                           buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        agent.on_reconcile.append(self.reconcile_seconds.observe)
+        self._gpu_collector = None
+
+    def _register_gpu(self) -> None:
+        gpu = self.agent.gpu
+        if self._gpu_collector is not None or gpu is None or not hasattr(gpu, "collector"):
+            return
+        collector = gpu.collector()
+        self.registry.register(collector)
+        self._gpu_collector = collector
+
+    def render(self) -> bytes:
+        self._register_gpu()
+        try:
+            return generate_latest(self.registry)
+        except Exception:  # noqa: BLE001 - a failing GPU collector must not take the agent's metrics down
+            if self._gpu_collector is None:
+                raise
+            self.registry.unregister(self._gpu_collector)
+            return generate_latest(self.registry)

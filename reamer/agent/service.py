@@ -1,0 +1,516 @@
+"""The Agent: desired state (store) -> host (cgroups, SCHED_RR, inference processes), and the reconcile loop.
+
+One lock guards the agent's state and the short host operations; waits (inference leaving cores,
+job processes stopping, a layout search) happen outside it. Every change is written to the store
+before it is applied, so a restarted agent re-attaches to what it had promised.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+import reamer
+from reamer.agent.config import AgentConfig
+from reamer.agent.errors import Conflict, InvalidRequest, NotFound
+from reamer.agent.events import Event, EventLog
+from reamer.agent.inference import (InferenceRecord, InferenceSupervisor, LayoutChooser, apply_choice, free_port,
+                                    load_chooser, validate_request)
+from reamer.agent.store import Store
+from reamer.agent.training import PinState, RtThrottlingDisabled, TrainingPinner
+from reamer.host.cgroups import CgroupDriver, detect_driver
+from reamer.host.errors import HostError, ReamerError
+from reamer.host.sched import rt_throttling
+from reamer.host.topology import Topology, read_topology
+from reamer.plan.coretable import AllocationError, CoreTable
+
+log = logging.getLogger("reamer.agent")
+
+HEALTHY_RECONCILE_AGE_S = 15.0
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, *, topology: Topology | None = None, driver: CgroupDriver | None = None,
+                 layout_chooser: LayoutChooser | None = None, gpu_manager: Any = None,
+                 proc_root: str = "/proc") -> None:
+        self.config = config
+        self.proc_root = proc_root
+        self.started_at = time.time()
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_reconcile: float = 0.0
+        self.on_reconcile: list[Callable[[float], None]] = []  # called with the pass duration (metrics, watchdog)
+        self.topology = topology or read_topology()
+        self.driver = driver or detect_driver(config.cgroup_root, proc_root)
+        self.cores = CoreTable(self.topology, set(config.reserved_cpus))
+        self.store = Store(config.store_path)
+        self.events = EventLog(self.store)
+        self.pinner = TrainingPinner(self.driver, config.cgroup_name, config.training.rt_runtime_us, proc_root)
+        self.supervisor = InferenceSupervisor(
+            config.run_dir, config.reserved_cpus, offline_sched=config.inference.offline_sched,
+            emit=self.events.emit, save=self._save_inference, restart_limit=config.inference.restart_limit,
+            restart_window_s=config.inference.restart_window_s)
+        profile_dir = config.inference.profile_dir or str(Path(config.state_dir) / "profiles")
+        self.choose_layout: LayoutChooser = layout_chooser or load_chooser(config.inference.layout_chooser, profile_dir)
+        self.gpu = gpu_manager
+        self.gpu_message = ""
+        self.training: dict[str, dict[str, Any]] = {}
+        self._pin_state: dict[str, PinState] = {}
+        self.rt_disabled = False
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    def start(self, run_loop: bool = True) -> None:
+        """Set up cgroups, restore jobs from the store, re-attach to running processes, start reconciling."""
+        self.pinner.setup()  # refuses when RT throttling is off
+        Path(self.config.run_dir).mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self._restore()
+            self._start_gpu()
+            self._replan()
+        self.events.emit("agent_started", f"agent started (pid {os.getpid()}): {len(self.training)} training and "
+                         f"{len(self.supervisor.records)} inference job(s) restored")
+        if run_loop:
+            self._thread = threading.Thread(target=self._loop, name="reamer-reconcile", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop reconciling. Training stays pinned and inference keeps running: they do not need the agent."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._lock:
+            self.supervisor.close()
+            if self.gpu is not None:
+                try:
+                    self.gpu.close()
+                except Exception:  # noqa: BLE001 - shutting down anyway
+                    log.exception("closing the GPU manager failed")
+            self.events.emit("agent_stopped", "agent stopped; training stays pinned, inference keeps running")
+            self.store.close()
+
+    def _restore(self) -> None:
+        for name, doc in self.store.jobs("training").items():
+            try:
+                self.cores.restore(name, doc["cpus"])
+            except AllocationError as exc:
+                log.error("cannot restore training job %s: %s", name, exc)
+                self.events.emit("training_restore_failed", f"{name}: {exc}", job=name)
+                continue
+            doc["state"] = "running"
+            self.training[name] = doc
+        for name, doc in self.store.jobs("inference").items():
+            self.supervisor.adopt(InferenceRecord.from_doc(doc))
+        self._reconcile_training()
+
+    def _start_gpu(self) -> None:
+        if self.gpu is not None:
+            return
+        try:
+            from reamer.gpu.config import GpuConfig
+            from reamer.gpu.manager import GpuManager
+        except ImportError as exc:
+            self.gpu_message = f"GPU support unavailable: {exc}"
+            return
+        try:
+            self.gpu = GpuManager(GpuConfig.from_dict(self.config.gpu), str(Path(self.config.run_dir) / "gpu"),
+                                  on_event=self._gpu_event)
+            self.gpu.start()
+        except Exception as exc:  # noqa: BLE001 - the agent must run on machines without GPUs
+            self.gpu_message = f"GPU manager not started: {exc}"
+            log.warning(self.gpu_message)
+
+    def _gpu_event(self, event: dict[str, Any]) -> None:
+        data = {k: v for k, v in event.items() if k not in ("ts", "kind", "job", "message")}
+        self.events.emit(str(event.get("kind", "gpu")), str(event.get("message", "")), job=event.get("job"), data=data)
+
+    # ------------------------------------------------------------------------------- reconcile
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.wait(self.config.reconcile_interval_s)
+            self._wake.clear()
+            if self._stopping.is_set():
+                break
+            try:
+                self.reconcile()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("reconcile pass failed")
+
+    def wake(self) -> None:
+        """Reconcile now rather than at the next tick."""
+        self._wake.set()
+
+    def reconcile(self) -> None:
+        started = time.monotonic()
+        with self._lock:
+            self._check_rt_throttling()
+            ended = self._reconcile_training()
+            for name in ended:
+                self._end_training(name, "all its processes exited")
+            self.supervisor.tick()
+            self._replan()
+            if self.gpu is not None:
+                try:
+                    self.gpu.tick()
+                except Exception:  # noqa: BLE001
+                    log.exception("GPU tick failed")
+        self.last_reconcile = time.time()
+        duration = time.monotonic() - started
+        for callback in self.on_reconcile:
+            callback(duration)
+
+    def _check_rt_throttling(self) -> None:
+        allowed = rt_throttling(self.proc_root)[0] != -1
+        if not allowed and not self.rt_disabled:
+            self.rt_disabled = True
+            demoted = self.pinner.demote_all()
+            self.events.emit("rt_throttling_disabled",
+                             f"RT throttling was turned off: demoted {demoted} training thread(s) to SCHED_OTHER; "
+                             "fix: sysctl -w kernel.sched_rt_runtime_us=950000", data={"demoted": demoted})
+        elif allowed and self.rt_disabled:
+            self.rt_disabled = False
+            self.events.emit("rt_throttling_enabled", "RT throttling is on again: training threads go back to SCHED_RR")
+
+    def _reconcile_training(self) -> list[str]:
+        ended = []
+        for name, doc in list(self.training.items()):
+            if doc.get("state") != "running":
+                continue
+            try:
+                state = self.pinner.reconcile(name, doc["cpus"], doc["priority"],
+                                              make_rr=not (self.rt_disabled or doc.get("demoted")))
+            except HostError as exc:
+                log.warning("reconcile of training job %s failed: %s", name, exc)
+                continue
+            self._pin_state[name] = state
+            if not state.alive:
+                ended.append(name)
+            elif state.fixed:
+                self.events.emit("training_threads_fixed",
+                                 f"{name}: made {state.fixed} new thread(s) SCHED_RR", job=name,
+                                 data={"fixed": state.fixed})
+        return ended
+
+    def _replan(self) -> dict[str, str]:
+        return self.supervisor.replan(self.cores.idle_cpus(), self.cores.training_cpus())
+
+    # ------------------------------------------------------------------------------- training
+
+    def _resolve_pids(self, req: dict[str, Any]) -> tuple[list[int], str, str, int | None]:
+        """(pids, source, source reference, cores the source asks for)."""
+        if req.get("pids"):
+            pids = sorted(set(int(p) for p in req["pids"]))
+            for pid in pids:
+                if pid in (0, 1, os.getpid()):
+                    raise InvalidRequest(f"pid {pid} is not a training process", "give the training job's own pids")
+                if not psutil.pid_exists(pid):
+                    raise InvalidRequest(f"process {pid} does not exist",
+                                         "give the pids of running training processes (see `ps -ef`)")
+            return pids, "pids", ",".join(map(str, pids)), None
+        if req.get("cgroup"):
+            path = req["cgroup"].strip("/")
+            pids = []
+            for controller in ("cpu", "cpuset"):
+                try:
+                    pids = self.driver.processes(path, controller)
+                except HostError:
+                    continue
+                if pids:
+                    break
+            if not pids:
+                raise InvalidRequest(f"cgroup {req['cgroup']!r} has no processes (or does not exist)",
+                                     "give the cgroup path of the running training job, relative to the "
+                                     f"hierarchy root {self.config.cgroup_root}")
+            return pids, "cgroup", path, None
+        from reamer.host.container import resolve_container
+
+        info = resolve_container(req["container"], proc_root=self.proc_root, cgroup_root=self.config.cgroup_root,
+                                 driver=self.driver)
+        return info.pids, "container", info.id, info.cpus_wanted
+
+    def attach_training(self, req: dict[str, Any]) -> dict[str, Any]:
+        name = req["name"]
+        with self._lock:
+            if name in self.training:
+                raise Conflict(f"training job {name!r} is already attached", "detach it first, or use another name")
+            if self.rt_disabled:
+                raise RtThrottlingDisabled()
+            pids, source, ref, wanted = self._resolve_pids(req)
+            taken = {p for doc in self.training.values() for p in self._pin_state.get(doc["name"], PinState()).pids}
+            if taken & set(pids):
+                raise Conflict(f"process(es) {sorted(taken & set(pids))} already belong to another training job",
+                               "detach that job first")
+            cores = req.get("cores") or wanted or 1
+            priority = req.get("priority") or self.config.training.priority
+            cpus = list(self.cores.allocate(name, cores))
+            doc = {"name": name, "pids": pids, "cpus": cpus, "priority": priority, "source": source,
+                   "source_ref": ref, "state": "attaching", "created_at": time.time(), "original": {},
+                   "demoted": False}
+            try:
+                self.store.put_job("training", name, doc)
+            except ReamerError:
+                self.cores.release(name)
+                raise
+            self.training[name] = doc
+            before = {n: r.pid for n, r in self.supervisor.records.items()}
+            changes = self._replan()
+        # Inference leaves the cores before training is pinned there.
+        if not self.supervisor.wait_left(changes, before):
+            log.warning("some inference processes had not left cpus %s in time; pinning training anyway", cpus)
+        with self._lock:
+            try:
+                original, state = self.pinner.attach(name, pids, cpus, priority)
+            except BaseException:
+                self._rollback_attach(name)
+                raise
+            doc.update(state="running", original=original)
+            self.store.put_job("training", name, doc)
+            self._pin_state[name] = state
+            self.events.emit("training_attached",
+                             f"{name}: cpus {cpus}, {state.threads_rr} thread(s) SCHED_RR at priority {priority}",
+                             job=name, data={"cpus": cpus, "pids": state.pids, "priority": priority})
+            return self._training_view(name)
+
+    def _rollback_attach(self, name: str) -> None:
+        try:
+            self.pinner.detach(name, {})
+        except ReamerError as exc:
+            log.error("rollback of %s: %s", name, exc)
+        self.training.pop(name, None)
+        self._pin_state.pop(name, None)
+        self.cores.release(name)
+        self.store.delete_job("training", name)
+        self._replan()
+
+    def detach_training(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            doc = self._training_doc(name)
+            if doc.get("state") == "attaching":
+                raise Conflict(f"training job {name!r} is still being attached", "retry in a few seconds")
+            view = self._training_view(name)
+            self.store.delete_job("training", name)
+            demoted = self.pinner.detach(name, doc.get("original", {}))
+            self.training.pop(name)
+            self._pin_state.pop(name, None)
+            self.cores.release(name)
+            self.events.emit("training_detached", f"{name}: {demoted} thread(s) back to SCHED_OTHER, "
+                             f"cpus {doc['cpus']} free", job=name, data={"cpus": doc["cpus"]})
+            self._replan()
+        view.update(state="ended", threads_rr=0, message="detached")
+        return view
+
+    def _end_training(self, name: str, reason: str) -> None:
+        doc = self.training.pop(name)
+        self.store.delete_job("training", name)
+        self.pinner.remove_job_cgroup(name)
+        self._pin_state.pop(name, None)
+        self.cores.release(name)
+        self.events.emit("training_ended", f"{name}: {reason}; cpus {doc['cpus']} go back to inference",
+                         job=name, data={"cpus": doc["cpus"]})
+
+    def _training_doc(self, name: str) -> dict[str, Any]:
+        doc = self.training.get(name)
+        if doc is None:
+            raise NotFound(f"no training job named {name!r}", "see `reamer train list`")
+        return doc
+
+    def _training_view(self, name: str) -> dict[str, Any]:
+        doc = self.training[name]
+        state = self._pin_state.get(name)
+        message = ""
+        if self.rt_disabled:
+            message = "demoted: RT throttling is off (sysctl -w kernel.sched_rt_runtime_us=950000)"
+        elif doc.get("demoted"):
+            message = "demoted by demote-all: detach and attach again to restore SCHED_RR"
+        return {"name": name, "cpus": list(doc["cpus"]), "pids": state.pids if state else list(doc["pids"]),
+                "threads_rr": state.threads_rr if state else 0, "threads": state.threads if state else 0,
+                "priority": doc["priority"], "source": doc["source"], "state": "running",
+                "created_at": doc["created_at"], "message": message}
+
+    def list_training(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [self._training_view(n) for n in sorted(self.training)]
+
+    def get_training(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            self._training_doc(name)
+            return self._training_view(name)
+
+    def demote_all(self) -> dict[str, Any]:
+        with self._lock:
+            jobs = sorted(set(self.pinner.job_cgroups()) | set(self.training))
+            for name, doc in self.training.items():
+                doc["demoted"] = True
+                self.store.put_job("training", name, doc)
+            demoted = self.pinner.demote_all()
+            self.events.emit("demoted_all", f"demoted {demoted} thread(s) to SCHED_OTHER", data={"jobs": jobs})
+        return {"threads_demoted": demoted, "jobs": jobs,
+                "message": "training keeps its cores but runs SCHED_OTHER until detached and attached again"}
+
+    # ------------------------------------------------------------------------------- inference
+
+    def _save_inference(self, rec: InferenceRecord) -> None:
+        if rec.name in self.supervisor.records:
+            self.store.put_job("inference", rec.name, rec.to_doc())
+
+    def _online_free_cpus(self) -> list[int]:
+        used = {c for r in self.supervisor.records.values() if r.kind == "online"
+                for i in r.instances for c in i["cpus"]}
+        return [c for c in self.cores.idle_cpus() if c not in used]
+
+    def deploy_inference(self, req: dict[str, Any]) -> dict[str, Any]:
+        name = req["name"]
+        with self._lock:
+            if name in self.supervisor.records:
+                raise Conflict(f"inference job {name!r} already exists", "remove it first, or use another name")
+            rec = validate_request(req, self.config.inference.default_backend)
+            cpus = self._online_free_cpus()
+        if rec.kind == "online" and rec.layout is None:
+            apply_choice(rec, self.choose_layout(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps), cpus)
+            if rec.layout is None:  # no search possible: one instance over all free cores
+                rec.cores = max(1, len(cpus))
+        with self._lock:
+            if name in self.supervisor.records:
+                raise Conflict(f"inference job {name!r} already exists", "remove it first, or use another name")
+            if rec.kind == "online" and not rec.port:
+                rec.port = free_port()
+            self.store.put_job("inference", name, rec.to_doc())
+            self.supervisor.records[name] = rec
+            self.events.emit("inference_deployed", f"{name} ({rec.kind}, {rec.backend}) deployed", job=name,
+                             data={"layout": rec.layout, "port": rec.port})
+            self._replan()
+            return self._inference_view(rec)
+
+    def remove_inference(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            rec = self._inference_rec(name)
+            view = self._inference_view(rec)
+            self.store.delete_job("inference", name)
+            pid = self.supervisor.remove(name)
+            self.events.emit("inference_removed", f"{name} removed", job=name)
+        self.supervisor.wait_stopped(name, pid)
+        with self._lock:
+            self.supervisor.forget_process(name)
+            self._replan()
+        view.update(state="done", message="removed")
+        return view
+
+    def _inference_rec(self, name: str) -> InferenceRecord:
+        rec = self.supervisor.records.get(name)
+        if rec is None:
+            raise NotFound(f"no inference job named {name!r}", "see `reamer infer list`")
+        return rec
+
+    def _inference_view(self, rec: InferenceRecord) -> dict[str, Any]:
+        status = self.supervisor.status_of(rec.name)
+        fields = ("rate_rps", "p50_ms", "p99_ms", "slo_attainment", "done", "total", "throughput", "eta_s")
+        status_doc = {k: getattr(status, k) for k in fields} if status is not None else {}
+        message = rec.message or (status.message if status is not None else "")
+        return {"name": rec.name, "model": rec.model, "kind": rec.kind, "backend": rec.backend,
+                "slo_ms": rec.slo_ms, "rate_rps": rec.rate_rps, "port": rec.port, "input_dir": rec.input_dir,
+                "output_dir": rec.output_dir, "max_batch": rec.max_batch, "state": rec.state,
+                "layout": rec.layout or _layout_of(rec.instances), "instances": [dict(i) for i in rec.instances],
+                "pid": rec.pid if rec.state == "running" else None, "status": status_doc, "message": message,
+                "created_at": rec.created_at}
+
+    def list_inference(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [self._inference_view(r) for r in sorted(self.supervisor.records.values(), key=lambda r: r.name)]
+
+    def get_inference(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            return self._inference_view(self._inference_rec(name))
+
+    # ------------------------------------------------------------------------------- node, events, gpu
+
+    def node_info(self) -> dict[str, Any]:
+        with self._lock:
+            runtime, period = rt_throttling(self.proc_root)
+            gpus = 0
+            if self.gpu is not None:
+                try:
+                    gpus = len(self.gpu.status().get("gpus") or [])
+                except Exception:  # noqa: BLE001
+                    gpus = 0
+            return {
+                "hostname": socket.gethostname(), "version": getattr(reamer, "__version__", "0.1.0"),
+                "agent_pid": os.getpid(), "uptime_s": time.time() - self.started_at,
+                "cpu_model": self.topology.model_name, "cpus": self.topology.cpu_ids(),
+                "reserved_cpus": sorted(self.cores.reserved), "training_cpus": sorted(self.cores.training_cpus()),
+                "idle_cpus": sorted(self.cores.idle_cpus()), "free_cores": self.cores.free_core_count(),
+                "allocations": {k: list(v) for k, v in self.cores.jobs().items()},
+                "cgroup_version": self.driver.version,
+                "rt_throttling": {"runtime_us": runtime, "period_us": period},
+                "training_jobs": len(self.training), "inference_jobs": len(self.supervisor.records),
+                "gpus": gpus, "offline_sched": self.config.inference.offline_sched,
+            }
+
+    def events_since(self, since: int, wait_s: float = 0.0) -> tuple[list[Event], int]:
+        events = self.events.wait(since, wait_s) if wait_s > 0 else self.events.since(since)
+        return events, self.events.last_id
+
+    def health(self) -> tuple[bool, str]:
+        if self._thread is not None and not self._thread.is_alive():
+            return False, "the reconcile loop has stopped"
+        if self.last_reconcile and time.time() - self.last_reconcile > HEALTHY_RECONCILE_AGE_S:
+            return False, f"no reconcile pass for {time.time() - self.last_reconcile:.0f}s"
+        return True, ""
+
+    def gpu_status(self) -> dict[str, Any]:
+        with self._lock:
+            if self.gpu is None:
+                return {"enabled": False, "message": self.gpu_message or "GPU manager not running"}
+            status = dict(self.gpu.status())
+            status.setdefault("message", status.get("reason", ""))
+            return status
+
+    def gpu_register(self, req: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            if self.gpu is None:
+                raise Conflict(self.gpu_message or "GPU manager not running",
+                               "install the NVIDIA driver, or set the gpu section of the config")
+            gpu = int(req["gpu"]) if str(req["gpu"]).isdigit() else req["gpu"]
+            result = self.gpu.register_job(req["name"], gpu, req["sm_percent"], req.get("mem_limit_mb"),
+                                           kind=req.get("kind", "training"), pids=req.get("pids"))
+            return result if isinstance(result, dict) else {"name": req["name"], "result": str(result)}
+
+    def gpu_remove(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            if self.gpu is None:
+                raise NotFound(f"no GPU job named {name!r}: the GPU manager is not running", "see `reamer gpu status`")
+            result = self.gpu.remove_job(name)
+            return result if isinstance(result, dict) else {"name": name, "removed": True}
+
+    # ------------------------------------------------------------------------------- metrics
+
+    def snapshot(self) -> dict[str, Any]:
+        """Numbers for the metrics collector (cheap, no host calls)."""
+        with self._lock:
+            return {
+                "training": {n: self._pin_state.get(n, PinState()) for n in self.training},
+                "inference": {n: (r.state, self.supervisor.status_of(n)) for n, r in self.supervisor.records.items()},
+                "idle_cpus": len(self.cores.idle_cpus()),
+                "training_cpus": len(self.cores.training_cpus()),
+            }
+
+
+def _layout_of(instances: list[dict[str, Any]]) -> str | None:
+    if not instances:
+        return None
+    try:
+        from reamer.plan.layout import InstanceShape, Layout, format_layout
+
+        return format_layout(Layout(tuple(InstanceShape(len(i["cpus"]), i["threads"], i["max_batch"])
+                                          for i in instances)))
+    except (ImportError, ValueError, TypeError):
+        return None

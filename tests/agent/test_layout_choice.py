@@ -1,0 +1,58 @@
+"""The built-in layout chooser: cached profile -> exact partition -> admission (no measuring)."""
+from __future__ import annotations
+
+import pytest
+
+from reamer.agent.errors import AdmissionRefused
+from reamer.agent.inference import InferenceRecord, LayoutChoice, ProfileCacheChooser, apply_choice, load_chooser
+from reamer.plan.partition import ProfilePoint
+from reamer.serve.profile_cache import ProfileCache, model_key
+
+models = pytest.importorskip("reamer.serve.models")
+
+
+@pytest.fixture
+def cached(tmp_path):
+    model = models.build_model("tiny", tmp_path / "tiny.onnx").path
+    points = [ProfilePoint(1, 1, 100.0, 5.0), ProfilePoint(1, 4, 180.0, 12.0), ProfilePoint(2, 1, 150.0, 4.0),
+              ProfilePoint(2, 4, 260.0, 9.0)]
+    ProfileCache(tmp_path / "profiles").put(model_key(model, "onnxruntime"), points)
+    return model, ProfileCacheChooser(tmp_path / "profiles")
+
+
+def test_no_profile_means_no_opinion(tmp_path):
+    model = models.build_model("tiny", tmp_path / "tiny.onnx").path
+    assert ProfileCacheChooser(tmp_path / "none")(model, "onnxruntime", [0, 1], 10.0, 50.0) is None
+
+
+def test_profile_gives_a_layout_and_admits_a_rate_that_fits(cached):
+    model, chooser = cached
+    choice = chooser(model, "onnxruntime", [0, 1], 20.0, 100.0)
+    assert choice.accepted and choice.layout and choice.achievable_rps >= 100.0
+    rec = InferenceRecord(name="web", model=model, kind="online", backend="onnxruntime", slo_ms=20.0, rate_rps=100.0)
+    apply_choice(rec, choice, [0, 1])
+    assert rec.layout == choice.layout
+
+
+def test_a_rate_beyond_the_cores_is_refused_with_the_achievable_rate(cached):
+    model, chooser = cached
+    choice = chooser(model, "onnxruntime", [0, 1], 20.0, 5000.0)
+    assert not choice.accepted and 0 < choice.achievable_rps < 5000
+    rec = InferenceRecord(name="web", model=model, kind="online", backend="onnxruntime", slo_ms=20.0,
+                          rate_rps=5000.0)
+    with pytest.raises(AdmissionRefused) as info:
+        apply_choice(rec, choice, [0, 1])
+    assert info.value.achievable_rps == choice.achievable_rps and "rps" in info.value.message
+    assert info.value.fix
+
+
+def test_an_slo_no_shape_meets_is_refused(cached):
+    model, chooser = cached
+    choice = chooser(model, "onnxruntime", [0, 1], 1.0, None)
+    assert isinstance(choice, LayoutChoice) and not choice.accepted
+
+
+def test_load_chooser_by_name_and_clear_error():
+    assert load_chooser("tests.api.conftest:refuse_all", "/nonexistent")("m", "b", [0], 1.0, 100.0).accepted is False
+    with pytest.raises(Exception, match="cannot be loaded"):
+        load_chooser("no.such.module:fn", "/nonexistent")
