@@ -471,9 +471,10 @@ class InferenceSupervisor:
     def _handle_exit(self, rec: InferenceRecord) -> bool:
         proc = self._procs.pop(rec.name, None)
         code = proc.poll() if proc is not None else None
+        self._read_status(rec)  # the job writes its final state just before it exits
         status = self._status.get(rec.name)
         log_path = self.job_dir(rec.name) / "job.log"
-        if (status is not None and status.state == "done") or (rec.kind == "offline" and code == 0):
+        if status is not None and status.state == "done":  # exit 0 alone may be a SIGTERM mid-way
             rec.state, rec.pid, rec.instances = "done", None, []
             rec.message = "all inputs done"
             self.save(rec)

@@ -74,7 +74,11 @@ def _group_by(cpus: tuple[Cpu, ...], key) -> dict[int, list[int]]:
 
 @functools.lru_cache(maxsize=1)
 def _cpuinfo() -> tuple[str, tuple[str, ...]]:
-    """Model name and ISA flags from py-cpuinfo; slow (about a second), so cached for the process."""
+    """Model name and ISA flags, cached for the process. /proc/cpuinfo first: py-cpuinfo takes about two
+    seconds (it starts subprocesses), which every agent start and CLI call would pay."""
+    fields = _proc_cpuinfo_fields()
+    if fields.get("model name") and fields.get("flags"):
+        return fields["model name"], tuple(sorted({flag.lower() for flag in fields["flags"].split()}))
     try:
         import cpuinfo
 
@@ -84,6 +88,20 @@ def _cpuinfo() -> tuple[str, tuple[str, ...]]:
     model = str(info.get("brand_raw") or info.get("arch_string_raw") or "unknown")
     flags = tuple(sorted({str(flag).lower() for flag in info.get("flags", [])}))
     return model, flags
+
+
+def _proc_cpuinfo_fields(path: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first processor block of /proc/cpuinfo as key -> value (empty when unreadable)."""
+    fields: dict[str, str] = {}
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return fields
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
 
 
 def _read(path: Path) -> str | None:

@@ -106,6 +106,7 @@ def test_cpuinfo_is_called_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 
     topology_module._cpuinfo.cache_clear()
     monkeypatch.setattr(cpuinfo, "get_cpu_info", fake_info)
+    monkeypatch.setattr(topology_module, "_proc_cpuinfo_fields", lambda: {})  # force the py-cpuinfo path
     try:
         root = make_sysfs(tmp_path)
         first = read_topology(root)
@@ -115,3 +116,15 @@ def test_cpuinfo_is_called_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
         assert len(calls) == 1
     finally:
         topology_module._cpuinfo.cache_clear()
+
+
+def test_model_and_flags_come_from_proc_cpuinfo_when_it_has_them(tmp_path: Path) -> None:
+    cpuinfo_file = tmp_path / "cpuinfo"
+    cpuinfo_file.write_text(
+        "processor\t: 0\nmodel name\t: Example CPU @ 2.0GHz\nflags\t\t: fpu AVX2 sse2\n\n"
+        "processor\t: 1\nmodel name\t: other\n"
+    )
+    fields = topology_module._proc_cpuinfo_fields(str(cpuinfo_file))
+    assert fields["model name"] == "Example CPU @ 2.0GHz"
+    assert fields["flags"].split() == ["fpu", "AVX2", "sse2"]
+    assert topology_module._proc_cpuinfo_fields(str(tmp_path / "missing")) == {}

@@ -1,0 +1,36 @@
+"""Errors of the GPU layer a user can cause or fix; each names the problem and the fix."""
+from __future__ import annotations
+
+from reamer.host.errors import ReamerError
+
+
+class GpuError(ReamerError):
+    """Base of the GPU layer's user-facing errors."""
+
+
+class NoGpuDriver(GpuError):
+    """No NVIDIA driver / NVML, or no `nvidia-cuda-mps-control`: GPU requests cannot be served."""
+
+
+class MpsError(GpuError):
+    """The MPS control daemon refused a command, did not answer, or is not running."""
+
+
+class LimitError(GpuError):
+    """A requested SM share or memory limit is invalid or would oversubscribe a GPU."""
+
+
+class UnknownGpu(GpuError):
+    """A GPU named by index or UUID that this node does not have."""
+
+
+class UnknownJob(GpuError):
+    """A GPU job name that is not registered."""
+
+
+class GpuConfigError(GpuError):
+    """The `gpu` section of the configuration is invalid."""
+
+
+class LatencyModelError(GpuError):
+    """Latency samples that cannot be fitted, or an SLO no GPU share can meet."""

@@ -1,0 +1,1 @@
+"""Fakes for what no machine here has: the MPS control binary and the NVML library."""
