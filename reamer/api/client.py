@@ -61,11 +61,11 @@ class ApiClient:
             kwargs["timeout"] = timeout
         try:
             response = self._http.request(method, path, **kwargs)
-        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError) as exc:
-            raise _unreachable(self.socket_path, str(exc) or type(exc).__name__) from None
         except httpx.TimeoutException:
             raise AgentUnreachable(f"the reamer agent on {self.socket_path} did not answer {method} {path} in time",
                                    "check the agent log (journalctl -u reamer); it may be overloaded or stuck") from None
+        except (httpx.TransportError, FileNotFoundError, ConnectionError) as exc:  # refused, reset, cut off mid-answer
+            raise _unreachable(self.socket_path, str(exc) or type(exc).__name__) from None
         except PermissionError as exc:
             raise AgentUnreachable(f"not allowed to connect to {self.socket_path} ({exc})",
                                    "run as root or as a member of the socket's group") from None

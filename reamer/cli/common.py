@@ -1,0 +1,194 @@
+"""What every `reamer` command shares: the context (socket, output format), output helpers
+(tables, JSON) and the one place where user errors become "error: …\\nfix: …" and an exit code."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import click
+
+from reamer.host.errors import ReamerError
+
+DEFAULT_SOCKET = "/run/reamer/reamer.sock"
+OUTPUT_FORMATS = ("table", "json")
+
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+# Errors of other layers that mean "the user's input is wrong" (by name: no import of those layers here).
+BAD_INPUT_ERRORS = frozenset({"ConfigError", "UnknownModelFamily", "SpecError", "GpuConfigError"})
+
+
+class BadInput(ReamerError):
+    """The user gave a value reamer cannot use (exit code 2)."""
+
+
+@dataclass
+class CliContext:
+    socket_path: str
+    output: str = "table"
+
+    @property
+    def json(self) -> bool:
+        return self.output == "json"
+
+    def client(self):
+        """An API client for the agent's socket (imported late: local commands need no HTTP stack)."""
+        from reamer.api.client import ApiClient
+
+        return ApiClient(self.socket_path)
+
+
+pass_cli = click.make_pass_decorator(CliContext)
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def to_jsonable(value: Any) -> Any:
+    """Dataclasses, pydantic models, paths, sets and tuples as plain JSON values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if hasattr(value, "model_dump"):
+        return to_jsonable(value.model_dump(mode="json"))
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value) if isinstance(value, (set, frozenset)) else value
+        return [to_jsonable(v) for v in items]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and value != value:  # NaN is not JSON
+        return None
+    return value
+
+
+def print_json(value: Any) -> None:
+    click.echo(json.dumps(to_jsonable(value), indent=2, sort_keys=False))
+
+
+def format_cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if value != value:
+            return "-"
+        return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(format_cell(v) for v in value) or "-"
+    return str(value)
+
+
+def render_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A plain, left-aligned text table; an empty table says so rather than printing only headers."""
+    cells = [[format_cell(v) for v in row] for row in rows]
+    if not cells:
+        return "(none)"
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    lines = ["  ".join(h.upper().ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    for row in cells:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    click.echo(render_table(headers, rows))
+
+
+def render_fields(pairs: Iterable[tuple[str, Any]]) -> str:
+    """Key: value lines, aligned."""
+    pairs = [(k, format_cell(v)) for k, v in pairs]
+    if not pairs:
+        return ""
+    width = max(len(k) for k, _ in pairs)
+    return "\n".join(f"{k + ':':<{width + 1}} {v}" for k, v in pairs)
+
+
+def emit(cli: CliContext, data: Any, render: Callable[[Any], str]) -> None:
+    """JSON of `data` with -o json, else the human rendering."""
+    if cli.json:
+        print_json(data)
+    else:
+        click.echo(render(data))
+
+
+def field(obj: Any, name: str, default: Any = None) -> Any:
+    """Read `name` from a dict, pydantic model or dataclass alike (API answers come in either shape)."""
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def exit_code_for(error: BaseException) -> int:
+    if isinstance(error, (BadInput, ValueError)):
+        return EXIT_BAD_INPUT
+    status = getattr(error, "status_code", None) or getattr(error, "status", None)
+    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 409, 423, 429):
+        return EXIT_BAD_INPUT
+    if getattr(error, "bad_input", False) or type(error).__name__ in BAD_INPUT_ERRORS:
+        return EXIT_BAD_INPUT
+    return EXIT_FAILURE
+
+
+def report_error(error: BaseException) -> int:
+    """Print a user error as "error: …" and "fix: …" lines on stderr; return the exit code."""
+    if isinstance(error, ReamerError):
+        message, fix = error.message, error.fix
+    else:
+        message, fix = str(error), ""
+    click.echo(f"error: {message}", err=True)
+    if fix:
+        click.echo(f"fix: {fix}", err=True)
+    return exit_code_for(error)
+
+
+class ReamerGroup(click.Group):
+    """A click group that turns every ReamerError (and a bad value) into a message and an exit code,
+    never a traceback. Unexpected exceptions still print one line; REAMER_DEBUG=1 shows the traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except ReamerError as error:
+            ctx.exit(report_error(error))
+        except ValueError as error:
+            ctx.exit(report_error(BadInput(str(error), "check the value against `reamer COMMAND --help`")))
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+        except Exception as error:  # noqa: BLE001 — the last line of defence for a user-facing tool
+            if os.environ.get("REAMER_DEBUG"):
+                raise
+            if type(error).__module__.startswith("httpx"):  # the agent went away mid-request
+                ctx.exit(report_error(ReamerError(
+                    f"the connection to the agent failed ({type(error).__name__}: {error})",
+                    "check that the agent runs (systemctl status reamer) and read its log (journalctl -u reamer)")))
+            click.echo(f"error: unexpected {type(error).__name__}: {error}", err=True)
+            click.echo("fix: rerun with REAMER_DEBUG=1 to see the traceback and report it", err=True)
+            ctx.exit(EXIT_FAILURE)
+
+
+def cpulist_option_value(text: str | None) -> list[int] | None:
+    """Parse a --cpus/--reserved-cpus value; a bad list is bad input (exit 2) with the syntax."""
+    if text is None:
+        return None
+    from reamer.host.cpulist import parse_cpulist
+
+    try:
+        return parse_cpulist(text)
+    except ValueError as error:
+        raise BadInput(str(error), 'write CPUs like "0-3,8"') from None
+

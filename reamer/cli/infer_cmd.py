@@ -1,0 +1,257 @@
+"""`reamer infer deploy|list|show|remove` and `reamer models build|list`."""
+from __future__ import annotations
+
+import os
+import time
+
+import click
+
+from reamer.cli.common import BadInput, CliContext, ReamerGroup, emit, field, pass_cli, render_fields, render_table
+from reamer.cli.node_cmd import inference_progress, render_inference_table
+from reamer.host.cpulist import format_cpulist
+from reamer.host.errors import ReamerError
+
+BACKENDS = ("onnxruntime", "openvino")
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(infer)
+    cli.add_command(models)
+
+
+@click.group(cls=ReamerGroup)
+def infer() -> None:
+    """CPU inference jobs: online (latency SLO) and offline (dataset in, results out)."""
+
+
+def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, rate, port, input_dir, output_dir,
+                   backend, max_batch, layout) -> dict:
+    if online == offline:
+        raise BadInput("say whether the job is --online or --offline", "add --online --slo-ms MS, or "
+                       "--offline --input DIR --output DIR")
+    if online and slo_ms is None:
+        raise BadInput("an online job needs a latency target", "add --slo-ms MS (the p99 latency it must meet)")
+    if offline and (input_dir is None or output_dir is None):
+        raise BadInput("an offline job needs --input DIR and --output DIR",
+                       "point --input at a directory of .npy/.npz files and --output at where results go")
+    if online and (input_dir or output_dir):
+        raise BadInput("--input/--output are for offline jobs", "drop them, or use --offline")
+    if offline and (slo_ms is not None or rate is not None or port is not None):
+        raise BadInput("--slo-ms/--rate/--port are for online jobs", "drop them, or use --online")
+    if layout is not None:
+        from reamer.plan.layout import parse_layout
+
+        try:
+            parse_layout(layout)
+        except ValueError as error:
+            raise BadInput(str(error), 'write a layout like "2x1:b4" or "2x1:b4+1x2:b8"') from None
+    model_path = os.path.abspath(model)
+    if not os.path.isfile(model_path):
+        raise BadInput(f"model file {model} does not exist",
+                       "build one with `reamer models build tiny --out tiny.onnx` or give the path to an ONNX file")
+    request = {"name": name, "model": model_path, "kind": "online" if online else "offline",
+               "slo_ms": slo_ms, "rate_rps": rate, "port": port,
+               "input_dir": os.path.abspath(input_dir) if input_dir else None,
+               "output_dir": os.path.abspath(output_dir) if output_dir else None,
+               "backend": backend, "max_batch": max_batch, "layout": layout}
+    return {k: v for k, v in request.items() if v is not None}
+
+
+def wait_for_job(client, name: str, kind: str, timeout_s: float | None = None, show_progress: bool = True):
+    """Poll the job until it is done (offline, with a progress bar) or running (online); raise if it fails."""
+    from tqdm import tqdm
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    bar = None
+    try:
+        while True:
+            job = client.get_inference_job(name)
+            state = field(job, "state")
+            status = field(job, "status") or {}
+            if state == "failed":
+                raise ReamerError(f"inference job {name} failed: {field(job, 'message') or 'no detail'}",
+                                  f"see `reamer infer show {name}` and `reamer events`")
+            if kind == "offline":
+                total, done = field(status, "total"), field(status, "done")
+                if total and show_progress:
+                    if bar is None:
+                        bar = tqdm(total=total, desc=name, unit="input")
+                    bar.n = done or 0
+                    bar.refresh()
+                if state == "done":
+                    return job
+            elif state == "running" and field(job, "pid"):
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise ReamerError(f"inference job {name} is still {state} after {timeout_s:.0f} s",
+                                  f"check `reamer infer show {name}`")
+            time.sleep(0.5)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+@infer.command("deploy")
+@click.argument("name")
+@click.option("--model", required=True, metavar="FILE", help="ONNX model file on this node.")
+@click.option("--online", is_flag=True, help="Serve requests (KServe v2 REST) under a latency SLO.")
+@click.option("--offline", is_flag=True, help="Run a dataset through the model on spare cycles.")
+@click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="Online: p99 target (ms).")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Online: expected request rate (rps), used for admission.")
+@click.option("--port", type=click.IntRange(1, 65535), default=None, help="Online: REST port (default: a free one).")
+@click.option("--input", "input_dir", default=None, metavar="DIR", help="Offline: directory of .npy/.npz inputs.")
+@click.option("--output", "output_dir", default=None, metavar="DIR", help="Offline: directory for results.")
+@click.option("--backend", type=click.Choice(BACKENDS), default=None, help="Inference runtime (default: config).")
+@click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest dynamic batch.")
+@click.option("--layout", default=None, metavar="SPEC", help='Instances, e.g. "2x1:b4+1x2:b8" (see `reamer search`).')
+@click.option("--wait", is_flag=True, help="Wait until the job runs (online) or is done (offline, progress bar).")
+@pass_cli
+def deploy(cli: CliContext, name, model, online, offline, slo_ms, rate, port, input_dir, output_dir, backend,
+           max_batch, layout, wait) -> None:
+    """Deploy an inference job on the idle cores."""
+    request = deploy_request(name, model, online, offline, slo_ms, rate, port, input_dir, output_dir, backend,
+                             max_batch, layout)
+    client = cli.client()
+    job = client.deploy_inference(request)
+    if wait:
+        job = wait_for_job(client, name, request["kind"], show_progress=not cli.json)
+    emit(cli, job, lambda j: f"deployed {field(j, 'name')} ({field(j, 'kind')}): {field(j, 'state')}"
+                             + (f", layout {field(j, 'layout')}" if field(j, "layout") else "")
+                             + (f", port {field(j, 'port')}" if field(j, "port") else "")
+                             + (f" — {field(j, 'message')}" if field(j, "message") else ""))
+
+
+@infer.command("list")
+@pass_cli
+def list_inference(cli: CliContext) -> None:
+    """Inference jobs the agent runs."""
+    emit(cli, cli.client().list_inference_jobs(), render_inference_table)
+
+
+def render_job(job) -> str:
+    head = render_fields([
+        ("name", field(job, "name")), ("kind", field(job, "kind")), ("state", field(job, "state")),
+        ("model", field(job, "model")), ("backend", field(job, "backend")), ("layout", field(job, "layout")),
+        ("slo ms", field(job, "slo_ms")), ("rate rps", field(job, "rate_rps")), ("port", field(job, "port")),
+        ("input", field(job, "input_dir")), ("output", field(job, "output_dir")), ("pid", field(job, "pid")),
+        ("progress", inference_progress(job)), ("message", field(job, "message") or "-"),
+    ])
+    instances = render_table(["cpus", "threads", "max batch", "on training"],
+                             [[format_cpulist(field(i, "cpus", [])), field(i, "threads"), field(i, "max_batch"),
+                               field(i, "on_training")] for i in field(job, "instances", [])])
+    return f"{head}\n\ninstances:\n{instances}"
+
+
+@infer.command("show")
+@click.argument("name")
+@pass_cli
+def show(cli: CliContext, name: str) -> None:
+    """One inference job in detail: instances, latency or progress."""
+    emit(cli, cli.client().get_inference_job(name), render_job)
+
+
+@infer.command("remove")
+@click.argument("name")
+@pass_cli
+def remove(cli: CliContext, name: str) -> None:
+    """Stop an inference job and free its cores."""
+    answer = cli.client().remove_inference(name)
+    emit(cli, answer if answer is not None else {"name": name, "removed": True}, lambda _: f"removed {name}")
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+@click.group(cls=ReamerGroup)
+def models() -> None:
+    """Built-in ONNX model families (random weights) for trying reamer out and for benchmarks."""
+
+
+def parse_options(options: tuple[str, ...]) -> dict:
+    """`--option k=v` pairs; values become int/float/bool where they look like one."""
+    parsed: dict = {}
+    for item in options:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise BadInput(f"bad --option {item!r}", "write options as key=value, e.g. --option seq_len=64")
+        value: object = text
+        if text.lower() in ("true", "false"):
+            value = text.lower() == "true"
+        else:
+            for kind in (int, float):
+                try:
+                    value = kind(text)
+                    break
+                except ValueError:
+                    pass
+        parsed[key.replace("-", "_")] = value
+    return parsed
+
+
+@models.command("build")
+@click.argument("family")
+@click.option("--out", "out_path", required=True, metavar="FILE", help="Where to write the ONNX model.")
+@click.option("--option", "options", multiple=True, metavar="K=V", help="Family option, e.g. seq_len=64 (repeatable).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+@pass_cli
+def build(cli: CliContext, family: str, out_path: str, options: tuple[str, ...], seed: int) -> None:
+    """Write model FAMILY as an ONNX file (see `reamer models list`)."""
+    from reamer.serve.models import MODEL_FAMILIES, build_model
+
+    if family not in MODEL_FAMILIES:
+        raise BadInput(f"unknown model family {family!r}", f"pick one of {', '.join(MODEL_FAMILIES)}")
+    family_opts = parse_options(options)
+    known = family_options(family)
+    unknown = sorted(set(family_opts) - set(known))
+    if known and unknown:
+        raise BadInput(f"model family {family} has no option {', '.join(unknown)}",
+                       f"its options are {', '.join(known) or 'none'} (see `reamer models list`)")
+    info = build_model(family, out_path, seed=seed, **family_opts)
+    emit(cli, info, lambda i: f"wrote {family} to {out_path}" + _model_summary(i))
+
+
+def _model_summary(info) -> str:
+    params = field(info, "params")
+    inputs = ", ".join(f"{field(t, 'name')} {field(t, 'datatype')} {field(t, 'shape')}" for t in field(info, "inputs", []))
+    size = (f"{params / 1e6:.1f} M" if params >= 1e6 else f"{params:,}") if params else None
+    parts = [f"{size} parameters" if size else None, f"inputs: {inputs}" if inputs else None]
+    parts = [p for p in parts if p]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+FAMILY_DESCRIPTIONS = {
+    "resnet50": "ResNet-50 image classifier (25.6 M parameters, 224x224)",
+    "mobilenetv2": "MobileNetV2 image classifier (3.5 M parameters, 224x224)",
+    "bert-base": "BERT-base encoder (token ids in, hidden states out)",
+    "deepspeech2": "DeepSpeech2-style speech model (convolutions + GRU layers)",
+    "tiny": "a two-layer MLP: builds and runs in milliseconds (tests, quick searches)",
+    "multi-io": "two inputs (FP32 and INT64) and two outputs (protocol tests)",
+}
+
+
+def family_options(family: str) -> dict[str, object]:
+    """The options `models build FAMILY --option k=v` accepts, with their defaults."""
+    import inspect
+
+    from reamer.serve import models as models_module
+
+    builder = getattr(models_module, "_BUILDERS", {}).get(family)
+    if builder is None:
+        return {}
+    params = list(inspect.signature(builder).parameters.values())[1:]  # the first is the graph builder
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
+@models.command("list")
+@pass_cli
+def list_models(cli: CliContext) -> None:
+    """The built-in model families and their options."""
+    from reamer.serve.models import MODEL_FAMILIES
+
+    rows = [{"family": f, "description": FAMILY_DESCRIPTIONS.get(f, ""), "options": family_options(f)}
+            for f in MODEL_FAMILIES]
+    emit(cli, {"families": rows}, lambda d: render_table(
+        ["family", "description", "options (default)"],
+        [[r["family"], r["description"] or "-", " ".join(f"{k}={v}" for k, v in r["options"].items()) or "-"]
+         for r in d["families"]]))

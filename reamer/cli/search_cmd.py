@@ -1,0 +1,434 @@
+"""`reamer profile MODEL` (scale-up or scale-out?) and `reamer search MODEL --cores N` (best layout,
+measured on real cores)."""
+from __future__ import annotations
+
+import csv
+import logging
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from reamer.cli.common import BadInput, CliContext, cpulist_option_value, emit, pass_cli, render_table
+from reamer.host.cpulist import format_cpulist
+
+
+BACKENDS = ("onnxruntime", "openvino")
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(profile)
+    cli.add_command(search)
+
+
+# --------------------------------------------------------------------------------------- shared helpers
+
+
+def default_cache_dir() -> str:
+    """Where profiles are cached: the agent's default profile dir when we may write it, else the user's cache."""
+    env = os.environ.get("REAMER_PROFILE_DIR")
+    if env:
+        return env
+    agent_dir = Path("/var/lib/reamer/profiles")
+    if os.geteuid() == 0 and (agent_dir.exists() or os.access(agent_dir.parent.parent, os.W_OK)):
+        return str(agent_dir)
+    return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "reamer" / "profiles")
+
+
+def resolve_model(model: str, workdir: str) -> str:
+    """MODEL is an ONNX file, or a built-in family name (built into `workdir` with default options)."""
+    if os.path.isfile(model):
+        return os.path.abspath(model)
+    from reamer.serve.models import MODEL_FAMILIES, build_model
+
+    if model in MODEL_FAMILIES:
+        return build_model(model, Path(workdir) / f"{model}.onnx").path
+    raise BadInput(f"model {model} is neither a file nor a built-in family",
+                   f"give the path to an ONNX file, or one of {', '.join(MODEL_FAMILIES)}")
+
+
+def choose_cpus(n_cores: int | None, cpus_text: str | None) -> list[int]:
+    """The CPUs to measure on: --cpus, else whole physical cores from the far end of the machine
+    (away from CPU 0, where the OS and the agent live), within this process's affinity."""
+    allowed = set(os.sched_getaffinity(0))
+    if cpus_text is not None:
+        cpus = cpulist_option_value(cpus_text)
+        outside = sorted(set(cpus) - allowed)
+        if outside:
+            raise BadInput(f"CPUs {format_cpulist(outside)} are not available to this process",
+                           f"pick from {format_cpulist(allowed)}")
+        if n_cores is not None and len(cpus) < n_cores:
+            raise BadInput(f"--cores {n_cores} needs at least {n_cores} CPUs, --cpus gives {len(cpus)}",
+                           "list more CPUs or ask for fewer cores")
+        return cpus[:n_cores] if n_cores is not None else cpus
+    from reamer.host.topology import read_topology
+
+    cores = [core for core in read_topology().physical_cores() if set(core) <= allowed]
+    wanted = len(cores) if n_cores is None else n_cores
+    if wanted > len(cores):
+        raise BadInput(f"--cores {n_cores} is more than the {len(cores)} physical cores available here",
+                       f"use --cores {len(cores)} or fewer")
+    # one CPU per physical core: threads = cores, like the layouts the agent deploys
+    return sorted(core[0] for core in cores[len(cores) - wanted:])
+
+
+def batch_choices(max_batch: int) -> list[int]:
+    batches, b = [], 1
+    while b <= max_batch:
+        batches.append(b)
+        b *= 2
+    if batches[-1] != max_batch:
+        batches.append(max_batch)
+    return batches
+
+
+def cpu_model_name() -> str:
+    from reamer.host.topology import read_topology
+
+    return read_topology().model_name
+
+
+# ---------------------------------------------------------------------------------------------- profile
+
+
+@click.command()
+@click.argument("model")
+@click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True)
+@click.option("--cpus", "cpus_text", default=None, metavar="LIST", help="CPUs to measure on (default: all usable).")
+@click.option("--batches", default="1,4,16", show_default=True, metavar="LIST", help="Batch sizes to compare.")
+@click.option("--warmup-s", type=click.FloatRange(min=0), default=1.0, show_default=True, help="Warm-up per run.")
+@click.option("--window-s", type=click.FloatRange(min=0.01), default=0.5, show_default=True, help="Window length.")
+@click.option("--max-windows", type=click.IntRange(min=3), default=10, show_default=True,
+              help="Windows per point before giving up on stability.")
+@pass_cli
+def profile(cli: CliContext, model: str, backend: str, cpus_text: str | None, batches: str, warmup_s: float,
+            window_s: float, max_windows: int) -> None:
+    """Characterise MODEL: does it scale up (one big instance) or out (many small ones)?
+
+    Uses IPC and cache-miss rate from hardware counters where the host has them, else measured
+    throughput scaling (and says so)."""
+    from reamer.serve.characterise import characterise
+
+    # the "no hardware counters" notice is part of the evidence printed below; do not log it twice
+    logging.getLogger("reamer.serve.characterise").setLevel(logging.ERROR)
+    batch_list = cpulist_option_value(batches)  # same syntax: "1,4,16" or "1-4"
+    if not batch_list or batch_list[0] < 1:
+        raise BadInput(f"--batches {batches!r} has no positive batch size", 'write e.g. --batches 1,4,16')
+    with tempfile.TemporaryDirectory(prefix="reamer-profile-") as workdir:
+        model_path = resolve_model(model, workdir)
+        cpus = choose_cpus(None, cpus_text)
+        result = characterise(model_path, backend=backend, cpus=cpus, batches=batch_list, warmup_s=warmup_s,
+                              window_s=window_s, max_windows=max_windows)
+        result.model = model if not os.path.isfile(model) else os.path.abspath(model)
+    emit(cli, result, render_characterisation)
+
+
+def render_characterisation(result) -> str:
+    lines = [f"{Path(result.model).name}: {result.classification}",
+             "  start the layout search from " + ("one large instance" if result.classification == "scale-up"
+                                                   else "many small instances")]
+    lines += [f"  - {line}" for line in result.evidence]
+    if result.counters:
+        lines += ["", render_table(["batch", "ipc", "cache miss rate", "scaled"],
+                                   [[c.batch, c.ipc, c.cache_miss_rate, c.scaled] for c in result.counters])]
+    lines += ["", render_table(["cores", "batch", "inferences/s", "p99 ms"],
+                               [[p.cores, p.batch, p.throughput_rps, p.p99_ms] for p in result.points])]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- search
+
+
+@dataclass
+class MeasurementRow:
+    kind: str  # "point" (one instance alone) or "layout" (all instances together)
+    layout: str
+    cores: int
+    instances: int
+    batch: str
+    throughput_rps: float
+    p99_ms: float
+    seconds: float
+    cached: bool = False
+
+
+@dataclass
+class Recorder:
+    """Wraps the profiler's measure/verify so every measurement lands in the CSV, and points come from
+    the profile cache when it has them."""
+
+    model_path: str
+    backend: str
+    cpus: list[int]
+    measure_kwargs: dict
+    verify_kwargs: dict
+    cached_points: dict = field(default_factory=dict)
+    rows: list[MeasurementRow] = field(default_factory=list)
+    new_points: list = field(default_factory=list)
+
+    def measure(self, cores: int, batch: int):
+        from reamer.serve.profiler import measure_point
+
+        cached = self.cached_points.get((cores, batch))
+        started = time.monotonic()
+        if cached is not None:
+            point = cached
+        else:
+            point = measure_point(self.model_path, self.backend, cores, batch, self.cpus, **self.measure_kwargs)
+            self.new_points.append(point)
+        self.rows.append(MeasurementRow("point", f"1x{cores}:b{batch}", cores, 1, str(batch), point.throughput_rps,
+                                        point.p99_ms, time.monotonic() - started, cached is not None))
+        return point
+
+    def verify(self, layout) -> tuple[float, float]:
+        from reamer.plan.layout import format_layout
+        from reamer.serve.profiler import measure_layout
+
+        started = time.monotonic()
+        rps, p99 = measure_layout(self.model_path, self.backend, layout, self.cpus, **self.verify_kwargs)
+        batches = sorted({shape.batch for shape in layout.instances})
+        self.rows.append(MeasurementRow("layout", format_layout(layout), layout.total_cores, len(layout.instances),
+                                        "/".join(map(str, batches)), rps, p99, time.monotonic() - started))
+        return rps, p99
+
+
+class ProgressBar:
+    """A tqdm bar on stderr fed by the search's progress(done, total, label) callback."""
+
+    def __init__(self, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=1, desc="measuring", unit="run", disable=not enabled, leave=False)
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        self.bar.total = max(total, done)
+        self.bar.n = done
+        self.bar.set_postfix_str(label, refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def load_cached_points(cache_dir: str, model_path: str, backend: str) -> dict:
+    from reamer.serve.profile_cache import ProfileCache, model_key
+
+    points = ProfileCache(cache_dir).get(model_key(model_path, backend)) or []
+    return {(p.cores, p.batch): p for p in points}
+
+
+def store_points(cache_dir: str, model_path: str, backend: str, new_points: list) -> None:
+    """Merge the new points into the cache entry (a newer measurement of a shape replaces the old)."""
+    if not new_points:
+        return
+    from reamer.serve.profile_cache import ProfileCache, model_key
+
+    cache, key = ProfileCache(cache_dir), model_key(model_path, backend)
+    merged = {(p.cores, p.batch): p for p in cache.get(key) or []}
+    merged.update({(p.cores, p.batch): p for p in new_points})
+    try:
+        cache.put(key, sorted(merged.values(), key=lambda p: (p.cores, p.batch)),
+                  meta={"model": os.path.basename(model_path), "backend": backend, "source": "reamer search"})
+    except OSError as error:
+        raise BadInput(f"cannot write the profile cache {cache_dir}: {error.strerror}",
+                       "pass a writable --cache-dir, or --no-cache") from None
+
+
+def candidate_dict(candidate, slo_ms: float | None) -> dict:
+    from reamer.plan.layout import format_layout
+
+    return {
+        "layout": format_layout(candidate.layout),
+        "throughput_rps": candidate.rps,
+        "p99_ms": candidate.p99_ms,
+        "verified": candidate.measured_rps is not None,
+        "predicted_rps": candidate.predicted_rps,
+        "predicted_p99_ms": candidate.predicted_p99_ms,
+        "meets_slo": slo_ms is None or candidate.p99_ms <= slo_ms,
+    }
+
+
+def headline(data: dict) -> str:
+    best, slo = data["best"], data["slo_ms"]
+    searched = (f"measured {data['measured']} of {data['space']:,} possible layouts on {data['cores']} core(s) "
+                f"(CPUs {data['cpus']}), guided by {data['single_instance_points']} single-instance point(s)")
+    if best is None:
+        return f"no layout meets the {slo:g} ms SLO: {data['note'] or 'every measured shape missed it'}; {searched}."
+    slo_text = f" against the {slo:g} ms SLO" if slo is not None else ""
+    text = (f"best layout {best['layout']}: {best['throughput_rps']:.1f} inferences/s, "
+            f"p99 {best['p99_ms']:.1f} ms{slo_text}; {searched}")
+    base = data["baseline"]
+    if base and base["throughput_rps"] > 0:
+        text += (f"; {data['gain']:.2f}x the throughput of one instance at max batch ({base['layout']}: "
+                 f"{base['throughput_rps']:.1f}/s, p99 {base['p99_ms']:.1f} ms)")
+    return text + "."
+
+
+def write_csv(path: str, rows: list[MeasurementRow]) -> None:
+    names = list(MeasurementRow.__dataclass_fields__)
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(names)
+        for row in rows:
+            writer.writerow([getattr(row, n) for n in names])
+
+
+def write_plot(path: str, data: dict, rows: list[MeasurementRow]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    points = [r for r in rows if r.kind == "point"]
+    for cores in sorted({r.cores for r in points}):
+        mine = sorted((r for r in points if r.cores == cores), key=lambda r: int(r.batch))
+        left.plot([int(r.batch) for r in mine], [r.throughput_rps for r in mine], marker="o", label=f"{cores} core(s)")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("max batch")
+    left.set_ylabel("throughput (inferences/s)")
+    left.set_title("one instance alone")
+    if points:
+        left.legend()
+    for kind, marker in (("point", "o"), ("layout", "s")):
+        mine = [r for r in rows if r.kind == kind]
+        right.scatter([r.p99_ms for r in mine], [r.throughput_rps for r in mine], marker=marker,
+                      label="single instance" if kind == "point" else "layout (together)", alpha=0.7)
+    if data["slo_ms"] is not None:
+        right.axvline(data["slo_ms"], color="red", linestyle="--", label=f"SLO {data['slo_ms']:g} ms")
+    if data["best"] is not None:
+        right.scatter([data["best"]["p99_ms"]], [data["best"]["throughput_rps"]], marker="*", s=250, color="gold",
+                      edgecolors="black", zorder=5, label=f"best {data['best']['layout']}")
+    right.set_xlabel("p99 latency (ms)")
+    right.set_ylabel("throughput (inferences/s)")
+    right.set_title(f"{data['measured']} of {data['space']:,} layouts measured")
+    right.legend(fontsize="small")
+    fig.suptitle(f"{Path(data['model']).name} on {data['cores']} core(s), {data['backend']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@click.command()
+@click.argument("model")
+@click.option("--cores", type=click.IntRange(min=1), required=True, help="Cores the job will have.")
+@click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="p99 latency target (online); without it: maximise throughput (offline).")
+@click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True)
+@click.option("--exhaustive", is_flag=True, help="Measure every layout (the paper's search; slow).")
+@click.option("--max-batch", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Largest batch tried (batches are powers of two up to it).")
+@click.option("--top", "top_n", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts to list.")
+@click.option("--csv", "csv_path", default=None, metavar="FILE", help="Write every measurement as CSV.")
+@click.option("--plot", "plot_path", default=None, metavar="FILE.png", help="Write a plot of the measurements.")
+@click.option("--cache-dir", default=None, metavar="DIR",
+              help="Profile cache (default: the agent's /var/lib/reamer/profiles as root, else ~/.cache).")
+@click.option("--no-cache", is_flag=True, help="Measure everything again; do not read or write the cache.")
+@click.option("--cpus", "cpus_text", default=None, metavar="LIST", help="CPUs to measure on (default: the last N cores).")
+@click.option("--warmup-s", type=click.FloatRange(min=0), default=1.0, show_default=True, help="Warm-up per run.")
+@click.option("--window-s", type=click.FloatRange(min=0.01), default=0.5, show_default=True, help="Window length.")
+@click.option("--max-windows", type=click.IntRange(min=3), default=10, show_default=True,
+              help="Windows per point before giving up on stability.")
+@click.option("--verify-windows", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Windows per layout verification.")
+@pass_cli
+def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch, top_n, csv_path, plot_path,
+           cache_dir, no_cache, cpus_text, warmup_s, window_s, max_windows, verify_windows) -> None:
+    """Find the best layout (instances x cores x batch) for MODEL on N cores, measured on real cores."""
+    from reamer.plan.layout import InstanceShape, Layout, format_layout
+    from reamer.plan.search import exhaustive_search, quick_search
+
+    if plot_path is not None and not plot_path.lower().endswith(".png"):
+        raise BadInput(f"--plot {plot_path} is not a .png file", "name the plot FILE.png")
+    cpus = choose_cpus(cores, cpus_text)
+    batches = batch_choices(max_batch)
+    cache_dir = None if no_cache else (cache_dir or default_cache_dir())
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="reamer-search-") as workdir:
+        model_path = resolve_model(model, workdir)
+        recorder = Recorder(
+            model_path, backend, cpus,
+            measure_kwargs={"warmup_s": warmup_s, "window_s": window_s, "max_windows": max_windows},
+            verify_kwargs={"warmup_s": warmup_s, "window_s": window_s, "windows": verify_windows},
+            cached_points=load_cached_points(cache_dir, model_path, backend) if cache_dir else {},
+        )
+        progress = ProgressBar(enabled=True)
+        try:
+            if exhaustive:
+                result = exhaustive_search(recorder.verify, cores, slo_ms, batches, progress, top_k=top_n)
+            else:
+                result = quick_search(recorder.measure, cores, slo_ms, batches, recorder.verify, progress,
+                                      top_k=max(top_n, 5))
+            # the baseline: one instance on every core at the largest batch
+            base_layout = Layout((InstanceShape(cores, cores, batches[-1]),))
+            base = next((r for r in recorder.rows if r.kind == "layout" and r.layout == format_layout(base_layout)),
+                        None)
+            if base is None:
+                progress(recorder_runs(recorder) + 1, recorder_runs(recorder) + 1, f"baseline {format_layout(base_layout)}")
+                recorder.verify(base_layout)
+                base = recorder.rows[-1]
+        finally:
+            progress.close()
+        if cache_dir:
+            store_points(cache_dir, model_path, backend, recorder.new_points)
+    candidates = [candidate_dict(c, slo_ms) for c in result.candidates]
+    if not any(c["layout"] == base.layout for c in candidates):
+        # the baseline ran with all instances together too: it competes like any verified layout
+        candidates.append({"layout": base.layout, "throughput_rps": base.throughput_rps, "p99_ms": base.p99_ms,
+                           "verified": True, "predicted_rps": None, "predicted_p99_ms": None,
+                           "meets_slo": slo_ms is None or base.p99_ms <= slo_ms})
+    # measured results first (predictions only overestimate), feasible before infeasible, fastest first
+    candidates.sort(key=lambda c: (not c["meets_slo"], not c["verified"], -c["throughput_rps"]))
+    best = candidates[0] if candidates and candidates[0]["meets_slo"] else None
+    if best is not None and not best["verified"] and result.best is not None:
+        best = candidate_dict(result.best, slo_ms)
+    layouts_run = len({r.layout for r in recorder.rows if r.kind == "layout"})
+    data = {
+        "model": model if not os.path.isfile(model) else os.path.abspath(model),
+        "backend": backend,
+        "cores": cores,
+        "cpus": format_cpulist(cpus),
+        "slo_ms": slo_ms,
+        "search": "exhaustive" if exhaustive else "quick",
+        "best": best,
+        "measured": layouts_run,
+        "space": result.space,
+        "runs": len(recorder.rows),
+        "single_instance_points": sum(r.kind == "point" for r in recorder.rows),
+        "baseline": {"layout": base.layout, "throughput_rps": base.throughput_rps, "p99_ms": base.p99_ms},
+        "gain": (best["throughput_rps"] / base.throughput_rps) if best and base.throughput_rps > 0 else None,
+        "candidates": candidates[:top_n],
+        "measurements": [vars(r) for r in recorder.rows],
+        "cached_points": sum(r.cached for r in recorder.rows),
+        "elapsed_s": time.monotonic() - started,
+        "note": result.note,
+        "cache_dir": cache_dir,
+    }
+    if csv_path:
+        write_csv(csv_path, recorder.rows)
+    if plot_path:
+        write_plot(plot_path, data, recorder.rows)
+
+    def render(d: dict) -> str:
+        table = render_table(
+            ["rank", "layout", "inferences/s", "p99 ms", "meets slo", "verified"],
+            [[i + 1, c["layout"], c["throughput_rps"], c["p99_ms"], c["meets_slo"], c["verified"]]
+             for i, c in enumerate(d["candidates"])])
+        extra = [f"measurements written to {csv_path}" if csv_path else "",
+                 f"plot written to {plot_path}" if plot_path else "",
+                 f"{d['cached_points']} point(s) came from the profile cache {cache_dir}" if d["cached_points"] else ""]
+        return "\n".join([headline(d), "", table] + [e for e in extra if e])
+
+    emit(cli, data, render)
+    if best is None:
+        raise SystemExit(1)
+
+
+def recorder_runs(recorder: Recorder) -> int:
+    return len(recorder.rows)
+
+

@@ -1,0 +1,108 @@
+"""`reamer search` and `reamer profile` on the tiny model, measured for real on one core (short windows)."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from reamer.cli.main import cli
+from reamer.serve.models import build_model
+
+FAST = ["--warmup-s", "0.1", "--window-s", "0.05", "--max-windows", "4"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return build_model("tiny", tmp_path_factory.mktemp("models") / "tiny.onnx").path
+
+
+@pytest.fixture(scope="module")
+def searched(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("search")
+    result = CliRunner().invoke(cli, [
+        "-o", "json", "search", tiny, "--cores", "1", "--slo-ms", "1000", "--max-batch", "4",
+        "--cache-dir", str(out / "cache"), "--csv", str(out / "runs.csv"), "--plot", str(out / "plot.png"),
+        *FAST, "--verify-windows", "2"])
+    return result, out
+
+
+def test_search_json_has_the_best_layout(searched):
+    result, _ = searched
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    best = data["best"]
+    assert best["layout"] in {"1x1:b1", "1x1:b2", "1x1:b4"}
+    assert best["throughput_rps"] > 0 and 0 < best["p99_ms"] <= 1000
+    assert data["space"] == 3  # one core, batches 1, 2, 4
+    assert 1 <= data["measured"] <= data["space"]
+    assert data["cpus"] and data["baseline"]["layout"] == "1x1:b4"
+    # the best is the fastest measured layout that meets the SLO
+    layouts = [m for m in data["measurements"] if m["kind"] == "layout" and m["p99_ms"] <= 1000]
+    assert best["throughput_rps"] == max(m["throughput_rps"] for m in layouts)
+
+
+def test_search_writes_csv_of_every_measurement_and_a_png(searched):
+    result, out = searched
+    data = json.loads(result.stdout)
+    with open(out / "runs.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == len(data["measurements"]) >= 2
+    assert {r["kind"] for r in rows} == {"point", "layout"}
+    assert all(float(r["throughput_rps"]) > 0 for r in rows)
+    png = (out / "plot.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_search_reuses_the_profile_cache_and_prints_a_headline(searched, tiny):
+    _, out = searched
+    assert list((out / "cache").glob("*.json"))
+    result = CliRunner().invoke(cli, ["search", tiny, "--cores", "1", "--max-batch", "2",
+                                      "--cache-dir", str(out / "cache"), *FAST, "--verify-windows", "1"])
+    assert result.exit_code == 0, result.output
+    assert "best layout 1x1:b" in result.stdout
+    assert "of 2 possible layouts" in result.stdout
+    assert "came from the profile cache" in result.stdout
+    assert "RANK" in result.stdout
+
+
+def test_search_that_no_layout_can_meet_fails_clearly(tiny, tmp_path):
+    result = CliRunner().invoke(cli, ["search", tiny, "--cores", "1", "--slo-ms", "0.000001", "--max-batch", "1",
+                                      "--no-cache", *FAST, "--verify-windows", "1"])
+    assert result.exit_code == 1
+    assert "no layout meets the 1e-06 ms SLO" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cores", "1000"], "physical cores available here"),
+    (["--cores", "1", "--cpus", "0-9999"], "are not available to this process"),
+    (["--cores", "1", "--plot", "x.svg"], "is not a .png file"),
+])
+def test_search_bad_input(tiny, args, message):
+    result = CliRunner().invoke(cli, ["search", tiny, *args])
+    assert result.exit_code == 2
+    assert message in result.output and "fix: " in result.output
+
+
+def test_profile_classifies_and_shows_evidence(tiny):
+    result = CliRunner().invoke(cli, ["-o", "json", "profile", tiny, "--cpus", "1", "--batches", "1,2", *FAST])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["classification"] in ("scale-up", "scale-out")
+    assert data["evidence"]
+    assert {(p["cores"], p["batch"]) for p in data["points"]} == {(1, 1), (1, 2)}
+    table = CliRunner().invoke(cli, ["profile", "tiny", "--cpus", "1", "--batches", "1", *FAST])
+    assert table.exit_code == 0, table.output
+    assert "tiny: scale-" in table.stdout and "INFERENCES/S" in table.stdout
+
+
+def test_exhaustive_search_measures_the_whole_space(tiny):
+    result = CliRunner().invoke(cli, ["-o", "json", "search", tiny, "--cores", "1", "--max-batch", "2",
+                                      "--exhaustive", "--no-cache", *FAST, "--verify-windows", "1"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["search"] == "exhaustive"
+    assert data["measured"] == data["space"] == 2
+    assert {m["layout"] for m in data["measurements"]} == {"1x1:b1", "1x1:b2"}
+    assert all(m["kind"] == "layout" for m in data["measurements"])
