@@ -113,7 +113,13 @@ class Agent:
         self._reconcile_training()
 
     def _start_gpu(self) -> None:
-        if self.gpu is not None:
+        if self.gpu is not None:  # injected (tests, embedding): the agent owns it like its own, stop() closes it
+            if not getattr(self.gpu, "_started", True):
+                try:
+                    self.gpu.start()
+                except Exception as exc:  # noqa: BLE001 - the agent must run on machines without GPUs
+                    self.gpu_message = f"GPU manager not started: {exc}"
+                    log.warning(self.gpu_message)
             return
         try:
             from reamer.gpu.config import GpuConfig
@@ -159,11 +165,13 @@ class Agent:
                 self._end_training(name, "all its processes exited")
             self.supervisor.tick()
             self._replan()
-            if self.gpu is not None:
-                try:
-                    self.gpu.tick()
-                except Exception:  # noqa: BLE001
-                    log.exception("GPU tick failed")
+        # The GPU manager is thread-safe and its tick runs MPS control commands (up to
+        # gpu.command_timeout_s each): outside the agent lock, so a slow MPS daemon never stalls the API.
+        if self.gpu is not None:
+            try:
+                self.gpu.tick()
+            except Exception:  # noqa: BLE001
+                log.exception("GPU tick failed")
         self.last_reconcile = time.time()
         duration = time.monotonic() - started
         for callback in self.on_reconcile:
@@ -466,30 +474,62 @@ class Agent:
             return False, f"no reconcile pass for {time.time() - self.last_reconcile:.0f}s"
         return True, ""
 
+    # GPU methods: the GpuManager is thread-safe, so they do not take the agent lock (a reconcile pass
+    # or a slow MPS command must not hold up the rest of the API). Its errors (reamer.gpu.errors) reach
+    # the API unchanged; the API maps them to HTTP statuses.
+
+    def _gpu_manager(self) -> Any:
+        if self.gpu is None:
+            raise Conflict(f"GPU requests cannot be served: {self.gpu_message or 'the GPU manager is not running'}",
+                           "see the agent log; set the gpu section of the config (configs/reamer.yaml) and restart "
+                           "the agent")
+        return self.gpu
+
     def gpu_status(self) -> dict[str, Any]:
-        with self._lock:
-            if self.gpu is None:
-                return {"enabled": False, "message": self.gpu_message or "GPU manager not running"}
-            status = dict(self.gpu.status())
-            status.setdefault("message", status.get("reason", ""))
-            return status
+        """GpuManager.status() (GPUs, MPS daemons, servers and clients, latest telemetry, jobs) plus
+        `message` (why GPUs are unavailable, "" when they work) and `fix` where there is one."""
+        if self.gpu is None:
+            return {"enabled": False, "available": False, "message": self.gpu_message or "GPU manager not running",
+                    "fix": "see the agent log; set the gpu section of the config and restart the agent",
+                    "gpus": [], "jobs": []}
+        status = dict(self.gpu.status())
+        status.setdefault("message", status.get("reason", ""))
+        if not status.get("available", True) and status.get("enabled", True):
+            from reamer.gpu.nvml import NO_DRIVER_FIX
+
+            status.setdefault("fix", NO_DRIVER_FIX)
+        return status
+
+    def gpu_telemetry(self, gpu: str | None = None) -> dict[str, Any]:
+        return self._gpu_manager().telemetry(_gpu_ref(gpu) if gpu is not None else None)
+
+    def gpu_jobs(self) -> list[dict[str, Any]]:
+        return self.gpu.jobs() if self.gpu is not None else []
+
+    def gpu_job(self, name: str) -> dict[str, Any]:
+        if self.gpu is None:
+            raise NotFound(f"no GPU job named {name!r}: the GPU manager is not running", "see `reamer gpu status`")
+        return self.gpu.job(name)
 
     def gpu_register(self, req: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            if self.gpu is None:
-                raise Conflict(self.gpu_message or "GPU manager not running",
-                               "install the NVIDIA driver, or set the gpu section of the config")
-            gpu = int(req["gpu"]) if str(req["gpu"]).isdigit() else req["gpu"]
-            result = self.gpu.register_job(req["name"], gpu, req["sm_percent"], req.get("mem_limit_mb"),
-                                           kind=req.get("kind", "training"), pids=req.get("pids"))
-            return result if isinstance(result, dict) else {"name": req["name"], "result": str(result)}
+        """Register a GPU job; returns its view with `env` (the launch environment: MPS pipe directory,
+        active-thread percentage, pinned-memory limit, CUDA_VISIBLE_DEVICES=<uuid>)."""
+        return self._gpu_manager().register_job(req["name"], _gpu_ref(req["gpu"]), req["sm_percent"],
+                                                req.get("mem_limit_mb"), kind=req.get("kind", "training"),
+                                                pids=req.get("pids"))
+
+    def gpu_update(self, name: str, req: dict[str, Any]) -> dict[str, Any]:
+        """Change a job's desired limits and/or pids; limits reach it when it restarts with the returned
+        `env` (until then the view says pending_restart)."""
+        if self.gpu is None:
+            raise NotFound(f"no GPU job named {name!r}: the GPU manager is not running", "see `reamer gpu status`")
+        return self.gpu.update_job(name, sm_percent=req.get("sm_percent"), mem_limit_mb=req.get("mem_limit_mb"),
+                                   pids=req.get("pids"), clear_mem_limit=bool(req.get("clear_mem_limit")))
 
     def gpu_remove(self, name: str) -> dict[str, Any]:
-        with self._lock:
-            if self.gpu is None:
-                raise NotFound(f"no GPU job named {name!r}: the GPU manager is not running", "see `reamer gpu status`")
-            result = self.gpu.remove_job(name)
-            return result if isinstance(result, dict) else {"name": name, "removed": True}
+        if self.gpu is None:
+            raise NotFound(f"no GPU job named {name!r}: the GPU manager is not running", "see `reamer gpu status`")
+        return self.gpu.remove_job(name)
 
     # ------------------------------------------------------------------------------- metrics
 
@@ -514,3 +554,9 @@ def _layout_of(instances: list[dict[str, Any]]) -> str | None:
                                           for i in instances)))
     except (ImportError, ValueError, TypeError):
         return None
+
+
+def _gpu_ref(gpu: Any) -> str | int:
+    """A GPU index ("0", 0) as int, anything else (a UUID) as given."""
+    text = str(gpu).strip()
+    return int(text) if text.isdigit() else text

@@ -6,7 +6,7 @@ unexpected failure is a 500 with the same shape and no traceback (the agent log 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from reamer.agent.errors import AdmissionRefused, Conflict, InvalidRequest, NotFound
-from reamer.api.schemas import (DemoteResult, ErrorBody, Event, EventList, GpuJobRequest, GpuStatus, Health,
+from reamer.api.schemas import (DemoteResult, ErrorBody, Event, EventList, GpuJobRequest, GpuJobUpdate, GpuStatus, Health,
                                 InferenceJob, InferenceJobList, InferenceJobRequest, NodeInfo, TrainingJob,
                                 TrainingJobList, TrainingJobRequest)
 from reamer.host.errors import HostError, ReamerError
@@ -163,17 +163,58 @@ def build_app(agent: "Agent") -> FastAPI:
                            for e in found], "last_id": last_id}
 
     # --- gpu ---
+    # Job views carry desired / applied / limits_state / pending_restart (MPS applies limits only to
+    # clients started afterwards) and `env`, the environment to launch the job with.
 
     @app.get("/v1/gpus", response_model=GpuStatus)
     def gpus() -> dict:
         return agent.gpu_status()
 
+    @app.get("/v1/gpus/telemetry", responses=ERRORS)
+    def gpu_telemetry(gpu: Optional[str] = Query(None, description="GPU index or UUID; all GPUs if absent")):
+        return _gpu_call(agent.gpu_telemetry, gpu)
+
+    @app.get("/v1/gpu-jobs")
+    def list_gpu_jobs():
+        return {"jobs": agent.gpu_jobs()}
+
     @app.post("/v1/gpu-jobs", status_code=201, responses=ERRORS)
-    def register_gpu_job(body: GpuJobRequest) -> dict:
-        return agent.gpu_register(body.model_dump(exclude_none=True))
+    def register_gpu_job(body: GpuJobRequest):
+        return _gpu_call(agent.gpu_register, body.model_dump(exclude_none=True))
+
+    @app.get("/v1/gpu-jobs/{name}", responses=ERRORS)
+    def get_gpu_job(name: str):
+        return _gpu_call(agent.gpu_job, name)
+
+    @app.patch("/v1/gpu-jobs/{name}", responses=ERRORS)
+    def update_gpu_job(name: str, body: GpuJobUpdate):
+        return _gpu_call(agent.gpu_update, name, body.model_dump(exclude_none=True))
 
     @app.delete("/v1/gpu-jobs/{name}", responses=ERRORS)
-    def remove_gpu_job(name: str) -> dict:
-        return agent.gpu_remove(name)
+    def remove_gpu_job(name: str):
+        return _gpu_call(agent.gpu_remove, name)
 
     return app
+
+
+def _gpu_status_of(exc: Exception) -> tuple[int, str] | None:
+    """HTTP status and code of a GPU-layer error (None: not one)."""
+    from reamer.gpu import errors
+
+    for cls, status, code in ((errors.UnknownJob, 404, "not_found"), (errors.UnknownGpu, 404, "unknown_gpu"),
+                              (errors.NoGpuDriver, 409, "gpu_unavailable"), (errors.LimitError, 409, "gpu_limits"),
+                              (errors.MpsError, 503, "mps_unavailable"), (errors.GpuError, 409, "gpu_refused")):
+        if isinstance(exc, cls):
+            return status, code
+    return None
+
+
+def _gpu_call(method, *args):
+    """Call an Agent GPU method; GPU-layer errors become JSON errors with a GPU-specific status and code."""
+    try:
+        return method(*args)
+    except ReamerError as exc:
+        mapped = _gpu_status_of(exc)
+        if mapped is None:
+            raise  # the app's ReamerError handler maps it
+        return error_response(mapped[0], mapped[1], exc.message + (f" — fix: {exc.fix}" if exc.fix else ""), exc.fix)

@@ -5,7 +5,7 @@ Times are Unix seconds (float). CPU lists are lists of ints. Every error respons
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -202,11 +202,28 @@ class GpuJobRequest(_Body):
     """Register a job's share of a GPU (MPS active-thread percentage, pinned-memory limit)."""
 
     name: str = Field(pattern=JOB_NAME_PATTERN)
-    gpu: str  # GPU UUID or index
+    gpu: Union[int, str]  # GPU UUID or index
     sm_percent: int = Field(ge=1, le=100)  # MPS active thread percentage
     mem_limit_mb: Optional[int] = Field(default=None, ge=1)  # MPS pinned device memory limit
     kind: Literal["training", "inference"] = "training"
     pids: Optional[list[int]] = None
+
+
+class GpuJobUpdate(_Body):
+    """New desired limits and/or the job's pids (tell reamer the pids once the job runs)."""
+
+    sm_percent: Optional[int] = Field(default=None, ge=1, le=100)
+    mem_limit_mb: Optional[int] = Field(default=None, ge=1)
+    clear_mem_limit: bool = False  # drop the pinned-memory limit
+    pids: Optional[list[int]] = None
+
+    @model_validator(mode="after")
+    def _something(self) -> "GpuJobUpdate":
+        if self.sm_percent is None and self.mem_limit_mb is None and not self.clear_mem_limit and self.pids is None:
+            raise ValueError("give at least one of sm_percent, mem_limit_mb, clear_mem_limit, pids")
+        if self.clear_mem_limit and self.mem_limit_mb is not None:
+            raise ValueError("give mem_limit_mb or clear_mem_limit, not both")
+        return self
 
 
 class GpuStatus(_Response):

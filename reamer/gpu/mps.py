@@ -111,7 +111,7 @@ class MpsDaemon:
         if len(str(self.pipe_dir)) > MAX_PIPE_DIR_LEN:
             raise MpsError(f"MPS pipe directory {self.pipe_dir} is {len(str(self.pipe_dir))} characters; MPS "
                            f"creates Unix sockets there and needs it under {MAX_PIPE_DIR_LEN}",
-                           "use a shorter agent run directory (state_dir)")
+                           "use a shorter agent run directory (run_dir)")
         if not self.is_running():
             self.pipe_dir.mkdir(parents=True, exist_ok=True)
             self.log_dir.mkdir(parents=True, exist_ok=True)
