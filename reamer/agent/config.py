@@ -43,6 +43,16 @@ class InferenceConfig(_Section):
     layout_chooser: Optional[str] = None
     # Where cached profiles are read from (default: <state_dir>/profiles).
     profile_dir: Optional[str] = None
+    # An online deploy without a layout and without a cached profile: measure the layout search on
+    # the job's free cpus (then cache the profile and admit). False: plan from cached profiles only.
+    search_on_deploy: bool = True
+    # Time for that search; when it runs out, the layout is planned from the points measured so far.
+    search_budget_s: float = Field(default=90.0, gt=0, le=3600)
+    # Largest batch the search tries (powers of two up to it).
+    search_max_batch: int = Field(default=32, ge=1, le=1024)
+    # Warm-up and window length of each measurement run of that search (seconds).
+    search_warmup_s: float = Field(default=0.5, ge=0, le=60)
+    search_window_s: float = Field(default=0.25, gt=0, le=60)
     # Crash-loop guard: a job process restarted more than restart_limit times in restart_window_s fails.
     restart_limit: int = Field(default=5, ge=0)
     restart_window_s: float = Field(default=60.0, gt=0)

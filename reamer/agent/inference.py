@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,10 +52,11 @@ class LayoutChoice:
 LayoutChooser = Callable[[str, str, list[int], "float | None", "float | None"], "LayoutChoice | None"]
 
 
-def load_chooser(spec: str | None, profile_dir: str | Path) -> LayoutChooser:
-    """A chooser from "module:function", or the built-in profile-cache chooser."""
+def load_chooser(spec: str | None, profile_dir: str | Path, config: Any = None) -> LayoutChooser:
+    """A chooser from "module:function", or the built-in profile-cache chooser. `config` (the agent's
+    InferenceConfig) switches on the measured search on deploy for the built-in one."""
     if not spec:
-        return ProfileCacheChooser(profile_dir)
+        return ProfileCacheChooser(profile_dir, search=SearchOnDeploy.from_config(config))
     module_name, _, attr = spec.partition(":")
     try:
         return getattr(importlib.import_module(module_name), attr)
@@ -63,47 +65,127 @@ def load_chooser(spec: str | None, profile_dir: str | Path) -> LayoutChooser:
                           "give an importable 'module:function', or remove the key") from None
 
 
+def choose_for(chooser: LayoutChooser, rec: "InferenceRecord", cpus: list[int]) -> "LayoutChoice | None":
+    """Ask `chooser` for the layout of `rec` on `cpus`; the built-in chooser also keeps to the job's max batch."""
+    if isinstance(chooser, ProfileCacheChooser):
+        return chooser(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps, max_batch=rec.max_batch)
+    return chooser(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps)
+
+
+@dataclass(frozen=True)
+class SearchOnDeploy:
+    """How the built-in chooser measures a layout when no cached profile covers the free cpus."""
+
+    budget_s: float = 90.0
+    max_batch: int = 32
+    warmup_s: float = 0.5
+    window_s: float = 0.25
+
+    @classmethod
+    def from_config(cls, config: Any) -> "SearchOnDeploy | None":
+        if config is None or not getattr(config, "search_on_deploy", False):
+            return None
+        return cls(budget_s=config.search_budget_s, max_batch=config.search_max_batch,
+                   warmup_s=config.search_warmup_s, window_s=config.search_window_s)
+
+
 class ProfileCacheChooser:
-    """Plans from cached profiles only (no measuring in the request path): plan_from_profile + admit.
+    """Cached profile -> plan_from_profile -> admit (no measuring, well under 100 ms).
 
-    Without a cached profile for (model, backend, cpu) it has no opinion; `reamer profile MODEL`
-    fills the cache."""
+    Without a cached profile that covers the free cpus it runs the layout search on exactly those
+    cpus when `search` is set (they are idle at deploy; the searches of concurrent deploys take
+    turns), caches the points, and admits on the best measured layout. Without `search`, or when
+    the search cannot measure, it has no opinion (`reamer search MODEL` fills the cache)."""
 
-    def __init__(self, profile_dir: str | Path) -> None:
+    def __init__(self, profile_dir: str | Path, search: SearchOnDeploy | None = None,
+                 margin: float = 0.10) -> None:
         self.profile_dir = Path(profile_dir)
+        self.search = search
+        self.margin = margin
+        self._searching = threading.Lock()
 
     def __call__(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
-                 rate_rps: float | None) -> LayoutChoice | None:
-        try:
-            from reamer.plan.layout import format_layout
-            from reamer.plan.partition import NoFeasibleLayout
-            from reamer.plan.search import plan_from_profile
-            from reamer.serve.profile_cache import ProfileCache, model_key
-        except ImportError:
+                 rate_rps: float | None, *, max_batch: int | None = None) -> LayoutChoice | None:
+        """`max_batch`: the job's largest batch (None: up to the configured search_max_batch)."""
+        if not cpus:
             return None
-        if not cpus or not self.profile_dir.is_dir():
-            return None
+        choice = self._from_cache(model, backend, cpus, slo_ms, rate_rps, max_batch)
+        if choice is not None or self.search is None:
+            return choice
+        asked = time.monotonic()
+        with self._searching:  # concurrent deploys see the same free cpus: their searches take turns
+            # a search that ran while we waited may have cached what we need
+            return self._from_cache(model, backend, cpus, slo_ms, rate_rps, max_batch) or \
+                self._measure(model, backend, cpus, slo_ms, rate_rps, max_batch,
+                              budget_s=self.search.budget_s - (time.monotonic() - asked))
+
+    def _cached_points(self, model: str, backend: str) -> list:
+        from reamer.serve.profile_cache import ProfileCache, model_key
+
+        if not self.profile_dir.is_dir():
+            return []
         try:
-            points = ProfileCache(self.profile_dir).get(model_key(model, backend))
-        except (OSError, ValueError) as exc:  # an unreadable cache is "no opinion", never a failed deploy
+            return ProfileCache(self.profile_dir).get(model_key(model, backend)) or []
+        except (OSError, ValueError) as exc:  # an unreadable cache is a miss, never a failed deploy
             log.debug("no profile for %s/%s: %s", model, backend, exc)
-            return None
-        if not points:
+            return []
+
+    def _from_cache(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
+                    rate_rps: float | None, max_batch: int | None) -> LayoutChoice | None:
+        from reamer.plan.partition import NoFeasibleLayout
+        from reamer.plan.search import plan_from_profile
+
+        points = [p for p in self._cached_points(model, backend) if max_batch is None or p.batch <= max_batch]
+        # a profile measured on fewer cores than are free now is a miss when we may measure
+        if not points or (self.search is not None and max(p.cores for p in points) < len(cpus)):
             return None
         try:
             candidate = plan_from_profile(points, len(cpus), slo_ms)
         except NoFeasibleLayout as exc:
             return LayoutChoice(None, accepted=False, achievable_rps=0.0, reason=exc.message)
+        return self._admit(candidate, slo_ms, rate_rps, "planned from the cached profile")
+
+    def _measure(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
+                 rate_rps: float | None, max_batch: int | None, budget_s: float) -> LayoutChoice | None:
+        """The search within `budget_s` (what is left of search.budget_s after waiting for another)."""
+        from reamer.serve.layout_search import MeasureSettings, batch_choices, search_layout
+
+        assert self.search is not None
+        s = self.search
+        budget_s = max(budget_s, 1e-6)
+        log.info("searching a layout for %s (%s) on cpus %s, budget %.1fs", model, backend, cpus, budget_s)
+        try:
+            outcome = search_layout(model, backend, cpus, slo_ms, cache_dir=self.profile_dir,
+                                    batches=batch_choices(min(s.max_batch, max_batch or s.max_batch)),
+                                    budget_s=budget_s,
+                                    settings=MeasureSettings(warmup_s=s.warmup_s, window_s=s.window_s),
+                                    strict_cache=False, cache_source="agent deploy")
+        except ReamerError as exc:  # the model would not run here: the job itself will say why
+            log.warning("layout search for %s failed: %s", model, exc)
+            return None
+        log.info("layout search for %s: %s after %d run(s)%s", model,
+                 outcome.best.layout if outcome.best else "nothing meets the SLO", len(outcome.rows),
+                 "" if outcome.complete else f" ({outcome.note})")
+        if outcome.best is None:
+            if not outcome.complete and rate_rps is None:
+                return None  # nothing measured in time and no rate to check: no opinion
+            slo = f"the {slo_ms:g} ms SLO" if slo_ms is not None else "the SLO"
+            reason = outcome.note or f"no layout on the free cores meets {slo}"
+            if not outcome.complete:
+                reason += "; raise inference.search_budget_s, or run `reamer search` for this model beforehand"
+            return LayoutChoice(None, accepted=False, achievable_rps=0.0, reason=reason)
+        how = "measured on the free cpus" if outcome.complete else outcome.note
+        return self._admit(outcome.best, slo_ms, rate_rps, how)
+
+    def _admit(self, candidate: Any, slo_ms: float | None, rate_rps: float | None, how: str) -> LayoutChoice:
+        from reamer.plan.admission import admit
+        from reamer.plan.layout import format_layout
+
         layout = format_layout(candidate.layout)
         if rate_rps is None or slo_ms is None:
-            return LayoutChoice(layout)
-        try:
-            from reamer.plan.admission import admit
-        except ImportError:
-            accepted = candidate.rps >= rate_rps
-            return LayoutChoice(layout, accepted, candidate.rps, "" if accepted else "predicted throughput too low")
-        decision = admit(candidate, rate_rps, slo_ms)
-        return LayoutChoice(layout, decision.accepted, decision.achievable_rps, decision.reason)
+            return LayoutChoice(layout, reason=how)
+        decision = admit(candidate, rate_rps, slo_ms, margin=self.margin)
+        return LayoutChoice(layout, decision.accepted, decision.achievable_rps, f"{decision.reason}; {how}")
 
 
 # --- records ----------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ import reamer
 from reamer.agent.config import AgentConfig
 from reamer.agent.errors import Conflict, InvalidRequest, NotFound
 from reamer.agent.events import Event, EventLog
-from reamer.agent.inference import (InferenceRecord, InferenceSupervisor, LayoutChooser, apply_choice, free_port,
-                                    load_chooser, validate_request)
+from reamer.agent.inference import (InferenceRecord, InferenceSupervisor, LayoutChooser, apply_choice, choose_for,
+                                    free_port, load_chooser, validate_request)
 from reamer.agent.store import Store
 from reamer.agent.training import PinState, RtThrottlingDisabled, TrainingPinner
 from reamer.host.cgroups import CgroupDriver, detect_driver
@@ -59,7 +59,7 @@ class Agent:
             emit=self.events.emit, save=self._save_inference, restart_limit=config.inference.restart_limit,
             restart_window_s=config.inference.restart_window_s)
         profile_dir = config.inference.profile_dir or str(Path(config.state_dir) / "profiles")
-        self.choose_layout: LayoutChooser = layout_chooser or load_chooser(config.inference.layout_chooser, profile_dir)
+        self.choose_layout: LayoutChooser = layout_chooser or load_chooser(config.inference.layout_chooser, profile_dir, config.inference)
         self.gpu = gpu_manager
         self.gpu_message = ""
         self.training: dict[str, dict[str, Any]] = {}
@@ -384,7 +384,7 @@ class Agent:
             rec = validate_request(req, self.config.inference.default_backend)
             cpus = self._online_free_cpus()
         if rec.kind == "online" and rec.layout is None:
-            apply_choice(rec, self.choose_layout(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps), cpus)
+            apply_choice(rec, choose_for(self.choose_layout, rec, cpus), cpus)
             if rec.layout is None:  # no search possible: one instance over all free cores
                 rec.cores = max(1, len(cpus))
         with self._lock:

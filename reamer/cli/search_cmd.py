@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import csv
 import logging
-
+import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from reamer.cli.common import BadInput, CliContext, cpulist_option_value, emit, pass_cli, render_table
 from reamer.host.cpulist import format_cpulist
+
+if TYPE_CHECKING:
+    from reamer.serve.layout_search import MeasurementRow
 
 
 BACKENDS = ("onnxruntime", "openvino")
@@ -76,22 +79,6 @@ def choose_cpus(n_cores: int | None, cpus_text: str | None) -> list[int]:
     return sorted(core[0] for core in cores[len(cores) - wanted:])
 
 
-def batch_choices(max_batch: int) -> list[int]:
-    batches, b = [], 1
-    while b <= max_batch:
-        batches.append(b)
-        b *= 2
-    if batches[-1] != max_batch:
-        batches.append(max_batch)
-    return batches
-
-
-def cpu_model_name() -> str:
-    from reamer.host.topology import read_topology
-
-    return read_topology().model_name
-
-
 # ---------------------------------------------------------------------------------------------- profile
 
 
@@ -143,59 +130,6 @@ def render_characterisation(result) -> str:
 # ---------------------------------------------------------------------------------------------- search
 
 
-@dataclass
-class MeasurementRow:
-    kind: str  # "point" (one instance alone) or "layout" (all instances together)
-    layout: str
-    cores: int
-    instances: int
-    batch: str
-    throughput_rps: float
-    p99_ms: float
-    seconds: float
-    cached: bool = False
-
-
-@dataclass
-class Recorder:
-    """Wraps the profiler's measure/verify so every measurement lands in the CSV, and points come from
-    the profile cache when it has them."""
-
-    model_path: str
-    backend: str
-    cpus: list[int]
-    measure_kwargs: dict
-    verify_kwargs: dict
-    cached_points: dict = field(default_factory=dict)
-    rows: list[MeasurementRow] = field(default_factory=list)
-    new_points: list = field(default_factory=list)
-
-    def measure(self, cores: int, batch: int):
-        from reamer.serve.profiler import measure_point
-
-        cached = self.cached_points.get((cores, batch))
-        started = time.monotonic()
-        if cached is not None:
-            point = cached
-        else:
-            point = measure_point(self.model_path, self.backend, cores, batch, self.cpus, **self.measure_kwargs)
-            self.new_points.append(point)
-        self.rows.append(MeasurementRow("point", f"1x{cores}:b{batch}", cores, 1, str(batch), point.throughput_rps,
-                                        point.p99_ms, time.monotonic() - started, cached is not None))
-        return point
-
-    def verify(self, layout) -> tuple[float, float]:
-        from reamer.plan.layout import format_layout
-        from reamer.serve.profiler import measure_layout
-
-        started = time.monotonic()
-        rps, p99 = measure_layout(self.model_path, self.backend, layout, self.cpus, **self.verify_kwargs)
-        batches = sorted({shape.batch for shape in layout.instances})
-        self.rows.append(MeasurementRow("layout", format_layout(layout), layout.total_cores, len(layout.instances),
-                                        "/".join(map(str, batches)), rps, p99, time.monotonic() - started))
-        return rps, p99
-
-
 class ProgressBar:
     """A tqdm bar on stderr fed by the search's progress(done, total, label) callback."""
 
@@ -214,40 +148,19 @@ class ProgressBar:
         self.bar.close()
 
 
-def load_cached_points(cache_dir: str, model_path: str, backend: str) -> dict:
-    from reamer.serve.profile_cache import ProfileCache, model_key
-
-    points = ProfileCache(cache_dir).get(model_key(model_path, backend)) or []
-    return {(p.cores, p.batch): p for p in points}
-
-
-def store_points(cache_dir: str, model_path: str, backend: str, new_points: list) -> None:
-    """Merge the new points into the cache entry (a newer measurement of a shape replaces the old)."""
-    if not new_points:
-        return
-    from reamer.serve.profile_cache import ProfileCache, model_key
-
-    cache, key = ProfileCache(cache_dir), model_key(model_path, backend)
-    merged = {(p.cores, p.batch): p for p in cache.get(key) or []}
-    merged.update({(p.cores, p.batch): p for p in new_points})
-    try:
-        cache.put(key, sorted(merged.values(), key=lambda p: (p.cores, p.batch)),
-                  meta={"model": os.path.basename(model_path), "backend": backend, "source": "reamer search"})
-    except OSError as error:
-        raise BadInput(f"cannot write the profile cache {cache_dir}: {error.strerror}",
-                       "pass a writable --cache-dir, or --no-cache") from None
-
-
 def candidate_dict(candidate, slo_ms: float | None) -> dict:
     from reamer.plan.layout import format_layout
+
+    def known(value: float) -> float | None:  # a layout measured only (the baseline) has no prediction
+        return value if math.isfinite(value) else None
 
     return {
         "layout": format_layout(candidate.layout),
         "throughput_rps": candidate.rps,
         "p99_ms": candidate.p99_ms,
         "verified": candidate.measured_rps is not None,
-        "predicted_rps": candidate.predicted_rps,
-        "predicted_p99_ms": candidate.predicted_p99_ms,
+        "predicted_rps": known(candidate.predicted_rps),
+        "predicted_p99_ms": known(candidate.predicted_p99_ms),
         "meets_slo": slo_ms is None or candidate.p99_ms <= slo_ms,
     }
 
@@ -269,6 +182,8 @@ def headline(data: dict) -> str:
 
 
 def write_csv(path: str, rows: list[MeasurementRow]) -> None:
+    from reamer.serve.layout_search import MeasurementRow
+
     names = list(MeasurementRow.__dataclass_fields__)
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
@@ -339,54 +254,27 @@ def write_plot(path: str, data: dict, rows: list[MeasurementRow]) -> None:
 def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch, top_n, csv_path, plot_path,
            cache_dir, no_cache, cpus_text, warmup_s, window_s, max_windows, verify_windows) -> None:
     """Find the best layout (instances x cores x batch) for MODEL on N cores, measured on real cores."""
-    from reamer.plan.layout import InstanceShape, Layout, format_layout
-    from reamer.plan.search import exhaustive_search, quick_search
+    from reamer.serve.layout_search import MeasureSettings, ProfileCacheUnwritable, batch_choices, search_layout
 
     if plot_path is not None and not plot_path.lower().endswith(".png"):
         raise BadInput(f"--plot {plot_path} is not a .png file", "name the plot FILE.png")
     cpus = choose_cpus(cores, cpus_text)
-    batches = batch_choices(max_batch)
     cache_dir = None if no_cache else (cache_dir or default_cache_dir())
+    settings = MeasureSettings(warmup_s=warmup_s, window_s=window_s, max_windows=max_windows,
+                               verify_windows=verify_windows)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="reamer-search-") as workdir:
         model_path = resolve_model(model, workdir)
-        recorder = Recorder(
-            model_path, backend, cpus,
-            measure_kwargs={"warmup_s": warmup_s, "window_s": window_s, "max_windows": max_windows},
-            verify_kwargs={"warmup_s": warmup_s, "window_s": window_s, "windows": verify_windows},
-            cached_points=load_cached_points(cache_dir, model_path, backend) if cache_dir else {},
-        )
         progress = ProgressBar(enabled=True)
         try:
-            if exhaustive:
-                result = exhaustive_search(recorder.verify, cores, slo_ms, batches, progress, top_k=top_n)
-            else:
-                result = quick_search(recorder.measure, cores, slo_ms, batches, recorder.verify, progress,
-                                      top_k=max(top_n, 5))
-            # the baseline: one instance on every core at the largest batch
-            base_layout = Layout((InstanceShape(cores, cores, batches[-1]),))
-            base = next((r for r in recorder.rows if r.kind == "layout" and r.layout == format_layout(base_layout)),
-                        None)
-            if base is None:
-                progress(recorder_runs(recorder) + 1, recorder_runs(recorder) + 1, f"baseline {format_layout(base_layout)}")
-                recorder.verify(base_layout)
-                base = recorder.rows[-1]
+            outcome = search_layout(model_path, backend, cpus, slo_ms, cache_dir=cache_dir, exhaustive=exhaustive,
+                                    batches=batch_choices(max_batch), settings=settings, top_k=top_n,
+                                    progress=progress, cache_source="reamer search")
+        except ProfileCacheUnwritable as error:
+            raise BadInput(error.message, "pass a writable --cache-dir, or --no-cache") from None
         finally:
             progress.close()
-        if cache_dir:
-            store_points(cache_dir, model_path, backend, recorder.new_points)
-    candidates = [candidate_dict(c, slo_ms) for c in result.candidates]
-    if not any(c["layout"] == base.layout for c in candidates):
-        # the baseline ran with all instances together too: it competes like any verified layout
-        candidates.append({"layout": base.layout, "throughput_rps": base.throughput_rps, "p99_ms": base.p99_ms,
-                           "verified": True, "predicted_rps": None, "predicted_p99_ms": None,
-                           "meets_slo": slo_ms is None or base.p99_ms <= slo_ms})
-    # measured results first (predictions only overestimate), feasible before infeasible, fastest first
-    candidates.sort(key=lambda c: (not c["meets_slo"], not c["verified"], -c["throughput_rps"]))
-    best = candidates[0] if candidates and candidates[0]["meets_slo"] else None
-    if best is not None and not best["verified"] and result.best is not None:
-        best = candidate_dict(result.best, slo_ms)
-    layouts_run = len({r.layout for r in recorder.rows if r.kind == "layout"})
+    rows, base, best = outcome.rows, outcome.baseline, outcome.best
     data = {
         "model": model if not os.path.isfile(model) else os.path.abspath(model),
         "backend": backend,
@@ -394,24 +282,25 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
         "cpus": format_cpulist(cpus),
         "slo_ms": slo_ms,
         "search": "exhaustive" if exhaustive else "quick",
-        "best": best,
-        "measured": layouts_run,
-        "space": result.space,
-        "runs": len(recorder.rows),
-        "single_instance_points": sum(r.kind == "point" for r in recorder.rows),
-        "baseline": {"layout": base.layout, "throughput_rps": base.throughput_rps, "p99_ms": base.p99_ms},
-        "gain": (best["throughput_rps"] / base.throughput_rps) if best and base.throughput_rps > 0 else None,
-        "candidates": candidates[:top_n],
-        "measurements": [vars(r) for r in recorder.rows],
-        "cached_points": sum(r.cached for r in recorder.rows),
+        "best": candidate_dict(best, slo_ms) if best is not None else None,
+        "measured": outcome.layouts_measured,
+        "space": outcome.result.space,
+        "runs": len(rows),
+        "single_instance_points": sum(r.kind == "point" for r in rows),
+        "baseline": ({"layout": base.layout, "throughput_rps": base.throughput_rps, "p99_ms": base.p99_ms}
+                     if base is not None else None),
+        "gain": outcome.gain,
+        "candidates": [candidate_dict(c, slo_ms) for c in outcome.candidates[:top_n]],
+        "measurements": [vars(r) for r in rows],
+        "cached_points": outcome.cached_point_count,
         "elapsed_s": time.monotonic() - started,
-        "note": result.note,
+        "note": outcome.note,
         "cache_dir": cache_dir,
     }
     if csv_path:
-        write_csv(csv_path, recorder.rows)
+        write_csv(csv_path, rows)
     if plot_path:
-        write_plot(plot_path, data, recorder.rows)
+        write_plot(plot_path, data, rows)
 
     def render(d: dict) -> str:
         table = render_table(
@@ -426,9 +315,3 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
     emit(cli, data, render)
     if best is None:
         raise SystemExit(1)
-
-
-def recorder_runs(recorder: Recorder) -> int:
-    return len(recorder.rows)
-
-

@@ -213,6 +213,8 @@ class Daemon:
             "socket": self.socket, "state_dir": str(self.state_dir), "run_dir": str(self.run_dir),
             "cgroup_name": cgroup_name, "reserved_cpus": [], "reconcile_interval_s": 0.3,
             "training": {"priority": 20, "rt_runtime_us": TEST_RT_RUNTIME_US}, "log_level": "info",
+            # a deploy without a layout searches: keep that search short in tests
+            "inference": {"search_max_batch": 2, "search_warmup_s": 0.05, "search_window_s": 0.05},
         }
         for key, value in config.items():
             if isinstance(value, dict) and isinstance(self.config.get(key), dict):

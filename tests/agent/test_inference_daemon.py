@@ -206,11 +206,3 @@ def test_offline_on_training_cores_is_single_thread_and_idle_when_configured(dae
     assert all_rr(trainer.pid)
 
 
-def test_online_without_layout_or_profile_gets_one_instance_over_all_free_cores(daemon, tiny_model):
-    node = daemon.client.node()
-    job = daemon.client.deploy_inference({"name": "wide", "model": tiny_model, "kind": "online", "slo_ms": 500,
-                                          "max_batch": 2})
-    assert len(job.instances) == 1
-    assert job.instances[0].cpus == node.idle_cpus and job.instances[0].threads == len(node.idle_cpus)
-    assert job.instances[0].max_batch == 2
-    daemon.client.remove_inference("wide")

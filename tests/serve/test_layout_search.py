@@ -1,0 +1,81 @@
+"""The layout search shared by `reamer search` and the agent: measured on real cores (tiny model, one
+cpu, short windows), points cached and reused, a time budget that ends the search early."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from reamer.plan.layout import format_layout
+from reamer.serve.layout_search import MeasureSettings, batch_choices, cached_points, search_layout
+from reamer.serve.models import build_model
+
+FAST = MeasureSettings(warmup_s=0.05, window_s=0.05, max_windows=4, verify_windows=2)
+CPU = [max(os.sched_getaffinity(0))]  # one cpu, away from cpu 0 where it can be
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return build_model("tiny", tmp_path_factory.mktemp("models") / "tiny.onnx").path
+
+
+def test_batch_choices():
+    assert batch_choices(1) == [1]
+    assert batch_choices(8) == [1, 2, 4, 8]
+    assert batch_choices(12) == [1, 2, 4, 8, 12]
+    with pytest.raises(ValueError):
+        batch_choices(0)
+
+
+def test_search_measures_then_reuses_the_cache(tiny, tmp_path):
+    cache = tmp_path / "profiles"
+    first = search_layout(tiny, "onnxruntime", CPU, 1000.0, cache_dir=cache, batches=[1, 2], settings=FAST)
+    assert first.complete and not first.from_cache and first.new_points
+    assert first.best is not None and format_layout(first.best.layout) in {"1x1:b1", "1x1:b2"}
+    assert first.best.measured_rps is not None and first.best.rps > 0  # verified with a real run
+    assert first.baseline is not None and first.baseline.layout == "1x1:b2"
+    assert first.gain is not None and first.gain >= 1.0  # the best is at least as fast as the baseline
+    assert {r.kind for r in first.rows} == {"point", "layout"}
+    assert not any(r.cached for r in first.rows)
+    stored = {(p.cores, p.batch) for p in cached_points(cache, tiny, "onnxruntime")}
+    assert stored == {(p.cores, p.batch) for p in first.new_points}
+
+    second = search_layout(tiny, "onnxruntime", CPU, 1000.0, cache_dir=cache, batches=[1, 2], settings=FAST)
+    assert second.from_cache and second.new_points == []  # zero new single-instance measurements
+    points = [r for r in second.rows if r.kind == "point"]
+    assert points and all(r.cached for r in points)
+    assert {(p.cores, p.batch) for p in second.points} == stored
+    assert second.best is not None
+
+
+def test_search_measures_only_the_points_the_cache_lacks(tiny, tmp_path):
+    cache = tmp_path / "profiles"
+    search_layout(tiny, "onnxruntime", CPU, None, cache_dir=cache, batches=[1], settings=FAST)
+    before = {(p.cores, p.batch) for p in cached_points(cache, tiny, "onnxruntime")}
+    assert before == {(1, 1)}
+    wider = search_layout(tiny, "onnxruntime", CPU, None, cache_dir=cache, batches=[1, 2], settings=FAST)
+    assert {(p.cores, p.batch) for p in wider.new_points} == {(1, 2)}  # (1, 1) came from the cache
+    assert [r.cached for r in wider.rows if r.kind == "point"] == [True, False]
+    assert {(p.cores, p.batch) for p in cached_points(cache, tiny, "onnxruntime")} == {(1, 1), (1, 2)}
+
+
+def test_a_spent_budget_plans_from_the_points_measured_so_far(tiny, tmp_path):
+    cache = tmp_path / "profiles"
+    # the budget is gone before the first run: nothing is measured, and nothing can be planned
+    empty = search_layout(tiny, "onnxruntime", CPU, 1000.0, cache_dir=cache, batches=[1, 2], settings=FAST,
+                          budget_s=1e-9)
+    assert not empty.complete and empty.best is None and empty.rows == [] and "budget" in empty.note
+    # with cached points, a spent budget still gives a (predicted) layout, without measuring
+    search_layout(tiny, "onnxruntime", CPU, None, cache_dir=cache, batches=[1], settings=FAST)
+    planned = search_layout(tiny, "onnxruntime", CPU, 1000.0, cache_dir=cache, batches=[1, 2], settings=FAST,
+                            budget_s=1e-9)
+    assert not planned.complete and planned.best is not None
+    assert planned.best.measured_rps is None and planned.best.rps > 0
+    assert "planned from the single-instance points" in planned.note
+
+
+def test_the_slo_no_shape_meets_gives_no_best_and_no_cache_dir_writes_nothing(tiny, tmp_path):
+    outcome = search_layout(tiny, "onnxruntime", CPU, 1e-6, cache_dir=None, batches=[1], settings=FAST)
+    assert outcome.best is None and outcome.note and outcome.new_points
+    assert outcome.candidates and all(c.p99_ms > 1e-6 for c in outcome.candidates)
+    assert list(tmp_path.iterdir()) == []
