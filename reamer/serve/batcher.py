@@ -2,8 +2,11 @@
 
 Requests wait in one queue. Every instance has a serving loop: when it is idle it takes the oldest
 request and, up to its max batch, the compatible ones that arrived; it waits for more at most
-`max_wait = min(0.2 * SLO, estimated batch latency)` after the oldest arrived. Inputs are
-concatenated along axis 0 (a request may carry a batch), outputs split back.
+`max_wait = min(0.2 * SLO, estimated batch latency)` after the oldest arrived — but only while requests
+arrive densely enough (recent mean gap between arrivals within that window) for waiting to fill the
+batch. At a low rate an idle instance starts at once: waiting would add latency and batch nothing.
+Under load batches still form, from the requests that queue while every instance is busy.
+Inputs are concatenated along axis 0 (a request may carry a batch), outputs split back.
 
 A new request is shed (Overloaded) when no instance is idle and its estimated completion —
 queued samples / measured service rate + one batch latency — would exceed the SLO.
@@ -63,6 +66,8 @@ class DynamicBatcher:
         self._lanes: list[_Lane] = []
         self._wakeup: asyncio.Condition | None = None
         self._closed = False
+        self._last_arrival: float | None = None
+        self._gap_ewma_s: float | None = None  # recent mean gap between arrivals
 
     # -- instances
     @property
@@ -118,13 +123,27 @@ class DynamicBatcher:
         queued = sum(r.batch for r in self._queue) + extra_samples
         return queued / sum(rates) + (sum(latencies) / len(latencies) if latencies else 0.0)
 
+    GAP_EWMA_WEIGHT = 0.2
+
+    def _note_arrival(self, now: float) -> None:
+        if self._last_arrival is not None:
+            gap = now - self._last_arrival
+            a = self.GAP_EWMA_WEIGHT
+            self._gap_ewma_s = gap if self._gap_ewma_s is None else (1 - a) * self._gap_ewma_s + a * gap
+        self._last_arrival = now
+
     def _max_wait_s(self, worker: InstanceWorker) -> float:
         if worker.spec.max_batch <= 1:
             return 0.0
         est = worker.latency_ewma_s or self.default_max_wait_ms / 1000.0
         if self.slo_ms is None:
-            return min(est, self.default_max_wait_ms / 1000.0)
-        return min(self.slo_ms * 0.2 / 1000.0, est)
+            window = min(est, self.default_max_wait_ms / 1000.0)
+        else:
+            window = min(self.slo_ms * 0.2 / 1000.0, est)
+        # No other request is expected within the window: waiting would only delay this one.
+        if self._gap_ewma_s is None or self._gap_ewma_s > window:
+            return 0.0
+        return window
 
     def _any_idle(self) -> bool:
         return any(lane.idle and lane.worker.ready and not lane.retiring for lane in self._lanes)
@@ -135,6 +154,7 @@ class DynamicBatcher:
         Raises Overloaded (shed), NotReady (no instance), InstanceCrashed, InferenceFailed.
         """
         arrived = time.monotonic()
+        self._note_arrival(arrived)
         if self._closed:
             raise NotReady(f"job {self.name} is shutting down", "retry against the job's new address")
         if self.ready_count() == 0:
@@ -227,9 +247,8 @@ class DynamicBatcher:
         names = list(live[0].inputs)
         batch_inputs = {n: (live[0].inputs[n] if len(live) == 1 else np.concatenate([r.inputs[n] for r in live]))
                         for n in names}
-        loop = asyncio.get_running_loop()
         try:
-            outputs = await loop.run_in_executor(lane.executor, lane.worker.run, batch_inputs)
+            outputs = await lane.worker.run_async(batch_inputs, fallback=lane.executor)
         except (WorkerError, Exception) as exc:  # noqa: BLE001 - every failure goes to the waiting clients
             err = exc if isinstance(exc, ReamerError) else InferenceFailed(f"batch failed: {exc}")
             for r in live:

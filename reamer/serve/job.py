@@ -187,7 +187,8 @@ class Job:
                 self._event("overload", f"job {spec.name} receives {rate:.1f} req/s, above its admitted "
                                         f"{overload.admitted_rps:g} req/s for {OVERLOAD_SUSTAIN_S:g} s",
                             rate_rps=rate, admitted_rps=overload.admitted_rps)
-            self._write_status()
+            # fsync takes ms on a busy disk: never block the event loop that serves requests with it
+            await loop.run_in_executor(None, self._write_status)
             wake.clear()
             try:
                 await asyncio.wait_for(wake.wait(), STATUS_PERIOD_S)

@@ -18,6 +18,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,8 @@ class _Lane:
     worker: InstanceWorker
     thread: threading.Thread | None = None
     retiring: threading.Event = field(default_factory=threading.Event)
+    # the lane's result being written (at most one): the write (with its fsync) overlaps the next batch
+    writing: Future | None = None
 
 
 def result_path(output_dir: str | os.PathLike, input_path: str | os.PathLike) -> Path:
@@ -153,6 +156,7 @@ class OfflineRunner:
         self._started = time.monotonic()
         self._lanes: list[_Lane] = []
         self._lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offline-write")
         self._stop = threading.Event()
         self.all_done = threading.Event()
         self._check_finished()
@@ -185,6 +189,7 @@ class OfflineRunner:
         self._stop.set()
         for lane in list(self._lanes):
             self.remove_instance(lane.worker)
+        self._writer.shutdown(wait=True)
 
     # -- progress
     def progress(self) -> OfflineProgress:
@@ -227,9 +232,17 @@ class OfflineRunner:
                 item = self._queue.get(timeout=0.2)
             except queue.Empty:
                 continue
-            self._process(worker, item)
+            self._process(lane, item)
+        self._flush(lane)
 
-    def _process(self, worker: InstanceWorker, item: _Item) -> None:
+    @staticmethod
+    def _flush(lane: _Lane) -> None:
+        if lane.writing is not None:
+            lane.writing.result()
+            lane.writing = None
+
+    def _process(self, lane: _Lane, item: _Item) -> None:
+        worker = lane.worker
         try:
             inputs, single = load_inputs(item.path, worker.inputs)
         except OfflineInputError as exc:
@@ -257,9 +270,17 @@ class OfflineRunner:
         outputs = {k: (np.concatenate([p[k] for p in parts]) if len(parts) > 1 else parts[0][k]) for k in parts[0]}
         if single:
             outputs = {k: (v[0] if v.ndim and v.shape[0] == 1 else v) for k, v in outputs.items()}
+        self._flush(lane)  # one write in flight per lane bounds the results held in memory
+        lane.writing = self._writer.submit(self._write_result, item, outputs, n)
+
+    def _write_result(self, item: _Item, outputs: dict[str, np.ndarray], n: int) -> None:
         buf = io.BytesIO()
         np.savez(buf, **outputs)
-        write_atomic(result_path(self.output_dir, item.path), buf.getvalue())
+        try:
+            write_atomic(result_path(self.output_dir, item.path), buf.getvalue())
+        except OSError as exc:
+            self._fail(item, f"input file {item.path.name}: cannot write its result: {exc}")
+            return
         with self._lock:
             self._done += 1
             self._files_this_run += 1
