@@ -725,26 +725,6 @@ def render_markdown(data: dict[str, Any], image_dir: str, command: str) -> str:
     return "\n".join(lines)
 
 
-SECTION_BEGIN = "<!-- bench:{name}:begin -->"
-SECTION_END = "<!-- bench:{name}:end -->"
-
-
-def update_results_md(path: Path, name: str, section: str) -> None:
-    """Replace (or append) this bench's marked section of RESULTS.md, leaving other sections alone."""
-    begin, end = SECTION_BEGIN.format(name=name), SECTION_END.format(name=name)
-    text = path.read_text() if path.exists() else "# reamer benchmark results\n\n"
-    block = f"{begin}\n{section.rstrip()}\n{end}\n"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        _, tail = rest.split(end, 1)
-        text = head + block + tail.lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_outputs(data: dict[str, Any], out: Path, command: str, results_md: Path | None) -> None:
     import plots
 
@@ -753,7 +733,10 @@ def write_outputs(data: dict[str, Any], out: Path, command: str, results_md: Pat
     (out / "colocation.md").write_text(render_markdown(data, ".", command))
     if results_md is not None:
         rel = os.path.relpath(out, results_md.resolve().parent)
-        update_results_md(results_md, "colocation", render_markdown(data, rel, command))
+        from results_md import replace_section
+
+        heading, _, body = render_markdown(data, rel, command).partition("\n")
+        replace_section(results_md, heading, body)
 
 
 def _parser() -> argparse.ArgumentParser:

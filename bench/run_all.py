@@ -30,6 +30,10 @@ class Script:
 
 SCRIPTS: list[Script] = [
     Script("colocation", "bench/colocation.py"),
+    Script("serving_overhead", "bench/serving_overhead.py"),
+    Script("search_calibration", "bench/search_calibration.py"),
+    Script("search_quality", "bench/search_quality.py"),
+    Script("search_baseline", "bench/search_baseline.py"),
 ]
 
 

@@ -64,21 +64,44 @@ class _Recorder:
         return self.points[(cores, batch)]
 
 
-def _smallest_cores_meeting(rec: _Recorder, n_cores: int, batch: int, slo_ms: float) -> int | None:
-    """Fewest cores with which one instance at `batch` meets the SLO (doubling, then bisection:
-    latency falls as cores are added)."""
+def _no_inflation(cores: int) -> float:
+    return 1.0
+
+
+def _smallest_cores_meeting(rec: _Recorder, n_cores: int, batch: int, slo_ms: float,
+                            inflation: Callable[[int], float] = _no_inflation) -> int | None:
+    """Fewest cores with which one instance at `batch` meets the SLO, its p99 times `inflation(cores)`
+    (doubling, then bisection: latency falls as cores are added)."""
     cores, low = 1, 0  # `low`: most cores known to miss (0: none tried)
-    while not _meets(rec.point(cores, batch).p99_ms, slo_ms):
+    while not _meets(rec.point(cores, batch).p99_ms * inflation(cores), slo_ms):
         if cores == n_cores:
             return None
         cores, low = min(2 * cores, n_cores), cores
     while cores - low > 1:
         middle = (low + cores) // 2
-        if _meets(rec.point(middle, batch).p99_ms, slo_ms):
+        if _meets(rec.point(middle, batch).p99_ms * inflation(middle), slo_ms):
             cores = middle
         else:
             low = middle
     return cores
+
+
+def _profile_batches(rec: _Recorder, core_counts: Sequence[int], batches: Sequence[int], slo_ms: float | None,
+                     min_gain: float, patience: int, inflation: Callable[[int], float] = _no_inflation) -> None:
+    """For each core count, double the batch until p99 (times `inflation(cores)`) misses the SLO or
+    `patience` doublings in a row gained less than `min_gain` over the best so far."""
+    for cores in core_counts:
+        best_rps, flat = 0.0, 0
+        for batch in batches:
+            point = rec.point(cores, batch)
+            if not _meets(point.p99_ms * inflation(cores), slo_ms):
+                break
+            if point.throughput_rps < best_rps * (1.0 + min_gain):
+                flat += 1
+                if flat >= patience:
+                    break
+                continue
+            best_rps, flat = point.throughput_rps, 0
 
 
 def guided_core_counts(n_cores: int, min_cores: int = 1) -> list[int]:
@@ -122,16 +145,23 @@ def quick_search(
     min_gain: float = 0.02,
     max_rounds: int = 3,
     max_repairs: int = 4,
+    patience: int = 2,
+    max_sweep: int = 4,
 ) -> SearchResult:
     """Guided profile + exact partition + verification of the best few layouts.
 
     1. Online (`slo_ms`): find the fewest cores for which one instance at the smallest batch meets
-       the SLO. 2. For each guided core count, double the batch until throughput gains less than
-       `min_gain` or p99 misses the SLO. 3. Partition exactly (`best_partitions`). 4. With `verify`:
-       run the `verify_top` best layouts plus the uniform single-large / many-small layouts together
-       and keep the measured best that meets the SLO. When running together pushed p99 past the
-       SLO, partition again with a tighter SLO and verify again (at most `max_rounds` rounds), then
-       walk from the best layout that missed toward lighter neighbours (at most `max_repairs` runs).
+       the SLO. 2. For each guided core count, double the batch until p99 misses the SLO or
+       `patience` doublings in a row gained less than `min_gain` over the best so far (one flat
+       step is not enough: measured throughput-vs-batch curves have dips). 3. Partition exactly
+       (`best_partitions`). 4. With `verify`: run the `verify_top` best layouts plus the uniform
+       single-large / many-small layouts together and keep the measured best that meets the SLO.
+       When running together pushed p99 past the SLO, learn per instance size how much running
+       together slowed throughput and inflated p99, profile the sizes that then meet the SLO,
+       partition the adjusted points and verify again (at most `max_rounds` rounds); then walk from
+       the best layout that missed toward lighter neighbours (at most `max_repairs` runs).
+       5. Sweep the batch of the best verified core splits (at most `max_sweep` runs each): how
+       much running instances slow each other depends on the batch, which no profile shows.
     """
     batches = _check(n_cores, batches)
     progress = progress or _no_progress
@@ -150,15 +180,7 @@ def quick_search(
             )
         min_cores = found
 
-    for cores in guided_core_counts(n_cores, min_cores):
-        best_rps = 0.0
-        for batch in batches:
-            point = rec.point(cores, batch)
-            if not _meets(point.p99_ms, slo_ms):
-                break
-            if point.throughput_rps < best_rps * (1.0 + min_gain):
-                break
-            best_rps = point.throughput_rps
+    _profile_batches(rec, guided_core_counts(n_cores, min_cores), batches, slo_ms, min_gain, patience)
 
     points = list(rec.points.values())
     candidates = best_partitions(points, n_cores, slo_ms, top_k=top_k, contention=contention)
@@ -183,34 +205,43 @@ def quick_search(
     for layout in _uniform_fill(points, n_cores, slo_ms):
         if all(layout.canonical() != known for known, _ in round_layouts):
             round_layouts.append((layout.canonical(), None))
-    effective_slo = slo_ms
     for _ in range(max_rounds):
         rec.total = rec.done + len(round_layouts)
-        missed_by = 1.0
+        missed = False
         for layout, guess in round_layouts:
-            result = run(layout, guess)
-            if not _meets(result.p99_ms, slo_ms):
-                missed_by = max(missed_by, result.p99_ms / max(result.predicted_p99_ms, 1e-9))
+            missed |= not _meets(run(layout, guess).p99_ms, slo_ms)
         best_so_far = max((c.rps for c in verified.values() if _meets(c.p99_ms, slo_ms)), default=0.0)
-        if slo_ms is None or missed_by <= 1.0 or effective_slo is None:
+        if slo_ms is None or not missed:
             break
-        # Running together inflated p99 past the SLO: ask the partition for layouts with headroom.
-        effective_slo = min(effective_slo / missed_by**0.5, effective_slo * 0.999)
-        fresh = [c for c in best_partitions(points, n_cores, effective_slo, top_k=top_k, contention=contention)
+        # Running together inflated p99 past the SLO. Learn from the runs so far how much running
+        # together slows throughput and inflates p99 per instance size, profile the sizes that then
+        # meet the SLO (often wider than the SLO alone asked for), and partition the adjusted points.
+        slower, inflated = _together_factors(verified, rec.points)
+        inflation = lambda cores: _factor_for(inflated, cores)  # noqa: E731
+        widest_needed = _smallest_cores_meeting(rec, n_cores, batches[0], slo_ms, inflation)
+        if widest_needed is not None and widest_needed > min_cores:
+            min_cores = widest_needed
+            _profile_batches(rec, guided_core_counts(n_cores, min_cores), batches, slo_ms, min_gain, patience,
+                             inflation)
+        adjusted = [ProfilePoint(p.cores, p.batch, p.throughput_rps * _factor_for(slower, p.cores),
+                                 p.p99_ms * inflation(p.cores)) for p in rec.points.values()]
+        fresh = [c for c in best_partitions(adjusted, n_cores, slo_ms, top_k=top_k, contention=contention)
                  if c.layout not in verified]
-        if not fresh or fresh[0].predicted_rps <= best_so_far:  # predictions only overestimate
+        if not fresh or fresh[0].predicted_rps <= best_so_far:
             break
-        round_layouts = [(c.layout, c) for c in fresh[:verify_top]]
+        round_layouts = [(c.layout, _predict(c.layout, rec.points)) for c in fresh[:verify_top]]
 
     if slo_ms is not None:
         _repair(verified, rec.points, slo_ms, run, max_repairs)
+    _batch_sweep(verified, rec, batches, slo_ms, run, max_sweep)
 
     results = list(verified.values())
     feasible = sorted((c for c in results if _meets(c.p99_ms, slo_ms)), key=lambda c: -c.rps)
     missed = [c for c in results if not _meets(c.p99_ms, slo_ms)]
     rest = [c for c in candidates if c.layout not in verified]
     note = "" if feasible else "no verified layout met the SLO with all instances running together"
-    return SearchResult(feasible[0] if feasible else None, feasible + missed + rest, rec.done, space, points, note)
+    return SearchResult(feasible[0] if feasible else None, feasible + missed + rest, rec.done, space,
+                        list(rec.points.values()), note)
 
 
 def _neighbours(layout: Layout, points: dict[tuple[int, int], ProfilePoint]) -> list[Layout]:
@@ -257,6 +288,79 @@ def _repair(
         current = run(max(options, key=lambda c: c.predicted_rps).layout, None)
         if _meets(current.p99_ms, slo_ms):
             return
+
+
+def _batch_sweep(
+    verified: dict[Layout, Candidate],
+    rec: _Recorder,
+    batches: Sequence[int],
+    slo_ms: float | None,
+    run: Callable[[Layout, Candidate | None], Candidate],
+    budget: int,
+) -> None:
+    """Run the two best verified core splits, and the single instance on all cores (the other end of
+    Cloud Reamer's scale-up/scale-out axis), at other batches (every instance at one batch, each
+    (cores, batch) point meeting the SLO alone), best predicted first, at most `budget` runs each.
+    Points the batch doubling skipped are measured first, up to the first batch that misses the SLO."""
+    feasible = sorted((c for c in verified.values() if _meets(c.p99_ms, slo_ms)), key=lambda c: -c.rps)
+    splits: list[Layout] = []
+    for candidate in feasible:
+        cores = sorted(s.cores for s in candidate.layout.instances)
+        if all(sorted(s.cores for s in known.instances) != cores for known in splits):
+            splits.append(candidate.layout)
+    widest = max((len(s.instances) == 1 and s.total_cores for s in splits), default=0)
+    chosen = splits[:2] + [s for s in splits[2:] if len(s.instances) == 1 and s.total_cores == widest][:1]
+    for best in chosen if budget > 0 else []:
+        for cores in sorted({s.cores for s in best.instances}):
+            for batch in batches:
+                if not _meets(rec.point(cores, batch).p99_ms, slo_ms):
+                    break
+        points = rec.points
+        options = []
+        for batch in sorted({b for _, b in points}):
+            shapes = [InstanceShape(s.cores, s.threads, batch) for s in best.instances]
+            if all((s.cores, batch) in points and _meets(points[(s.cores, batch)].p99_ms, slo_ms) for s in shapes):
+                layout = Layout(tuple(shapes)).canonical()
+                if layout not in verified:
+                    options.append(_predict(layout, points))
+        for option in sorted(options, key=lambda c: -c.predicted_rps)[:budget]:
+            run(option.layout, option)
+
+
+def _together_factors(verified: dict[Layout, Candidate],
+                      points: dict[tuple[int, int], ProfilePoint]) -> tuple[dict[int, float], dict[int, float]]:
+    """Per instance size (cores), from the verified layouts of more than one instance: the mean
+    measured/predicted throughput of those containing that size, and the worst measured/predicted
+    p99 of those where that size had the highest p99 alone (the one that sets the layout's p99)."""
+    rps_seen: dict[int, list[float]] = {}
+    p99_seen: dict[int, list[float]] = {}
+    for c in verified.values():
+        if c.layout.instance_count < 2 or c.measured_rps is None or c.measured_p99_ms is None:
+            continue
+        for cores in {s.cores for s in c.layout.instances}:
+            rps_seen.setdefault(cores, []).append(c.measured_rps / max(c.predicted_rps, 1e-9))
+        alone = {s.cores: points[(s.cores, s.batch)].p99_ms for s in c.layout.instances if (s.cores, s.batch) in points}
+        if alone:
+            worst = max(alone.values())
+            for cores in (k for k, v in alone.items() if v == worst):
+                p99_seen.setdefault(cores, []).append(c.measured_p99_ms / max(worst, 1e-9))
+    return ({cores: sum(r) / len(r) for cores, r in rps_seen.items()},
+            {cores: max(1.0, max(r)) for cores, r in p99_seen.items()})
+
+
+def _factor_for(factors: dict[int, float], cores: int) -> float:
+    """A factor for an instance size: linear between the observed sizes around it, the nearest
+    end's beyond them; none observed: 1."""
+    if not factors:
+        return 1.0
+    below = [c for c in factors if c <= cores]
+    above = [c for c in factors if c >= cores]
+    if not below or not above:
+        return factors[max(below) if below else min(above)]
+    low, high = max(below), min(above)
+    if low == high:
+        return factors[low]
+    return factors[low] + (cores - low) / (high - low) * (factors[high] - factors[low])
 
 
 def _predict(layout: Layout, points: dict[tuple[int, int], ProfilePoint]) -> Candidate:

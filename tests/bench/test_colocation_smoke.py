@@ -69,7 +69,7 @@ def test_quick_run_measures_every_strategy(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     text = results_md.read_text()
     assert "kept by other benches" in text
-    assert "<!-- bench:colocation:begin -->" in text and "Smoke run" in text
+    assert "## Co-location: training + online + offline inference" in text and "Smoke run" in text
     assert "| reamer (SCHED_RR) |" in text
 
     assert _bench_cgroups() <= before  # the bench removed its cgroups

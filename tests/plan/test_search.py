@@ -131,3 +131,41 @@ def test_bad_arguments():
         quick_search(model.profile, 0)
     with pytest.raises(ValueError):
         quick_search(model.profile, 4, batches=[])
+
+
+def _batch_dependent_contention_model():
+    from reamer.plan.simulator import CalibratedModel
+
+    # Alone, throughput is flat in the batch (b2/b4 a little worse than b1), so the batch doubling stops
+    # early; running together, small batches slow each other far more (γ 1.0 at b1, 0 at b8).
+    one_core = {1: 10.0, 2: 20.5, 4: 41.0, 8: 80.0}
+    points = [ProfilePoint(c, b, 1000.0 * b / (ms * (0.55 if c == 2 else 1.0)), 1.5 * ms * (0.55 if c == 2 else 1.0))
+              for b, ms in one_core.items() for c in (1, 2)]
+    return CalibratedModel.from_profiles("flat", points, {1: 1.0, 8: 0.0})
+
+
+def test_batch_sweep_finds_what_contention_hides_from_profiles():
+    model = _batch_dependent_contention_model()
+    batches = (1, 2, 4, 8)
+    exact = model.best_layout(8, None, batches)
+    swept = quick_search(model.profile, 8, None, batches=batches, verify=model.run_layout)
+    unswept = quick_search(model.profile, 8, None, batches=batches, verify=model.run_layout, max_sweep=0)
+    assert swept.best.rps >= 0.97 * exact[1], (str(swept.best.layout), str(exact[0]))
+    assert unswept.best.rps < 0.9 * exact[1]  # without the sweep the flat profile hides the best batch
+    assert swept.measured < count_layouts(8, batches)
+
+
+def test_learns_how_running_together_inflates_p99():
+    from reamer.plan.simulator import CalibratedModel
+
+    # Alone every size meets a 110 ms SLO at batch 1; together (γ = 0.3) only instances of ≥ 3 cores
+    # do, so the best layout mixes sizes the SLO alone never asks to profile: 1x4 + 4x3.
+    points = [ProfilePoint(1, 1, 10.0, 100.0), ProfilePoint(2, 1, 12.5, 80.0),
+              ProfilePoint(1, 2, 2000 / 190, 190.0), ProfilePoint(2, 2, 2000 / 152, 152.0)]
+    model = CalibratedModel.from_profiles("inflating", points, {1: 0.3})
+    exact = model.best_layout(16, 110.0, DEFAULT_BATCHES)
+    assert str(exact[0]) == "1x4:b1+4x3:b1"
+    result = quick_search(model.profile, 16, 110.0, verify=model.run_layout)
+    assert result.best.measured_p99_ms <= 110.0
+    assert result.best.rps >= 0.97 * exact[1], str(result.best.layout)
+    assert any(p.cores == 3 for p in result.measurements)  # profiled the size that running together needs

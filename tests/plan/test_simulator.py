@@ -54,3 +54,89 @@ def test_oversubscribed_threads_are_slower():
 def test_unknown_family():
     with pytest.raises(ValueError, match="scale-up"):
         synthetic_model("quantum")
+
+
+# --- CalibratedModel ---------------------------------------------------------------------------------
+
+from reamer.plan.layout import count_layouts  # noqa: E402
+from reamer.plan.partition import ProfilePoint  # noqa: E402
+from reamer.plan.search import all_layouts  # noqa: E402
+from reamer.plan.simulator import CalibratedModel, calibrated_models  # noqa: E402
+
+BATCHES = (1, 2, 4, 8)
+
+
+def _calibrated(gamma1=0.15, gamma8=0.05, noise=0.0):
+    # 1 core: latency grows less than linearly with batch; 2 cores: 1.6x faster at batch 8, 1.2x at 1
+    one = {1: 20.0, 2: 36.0, 4: 66.0, 8: 120.0}
+    two = {1: 16.7, 2: 28.0, 4: 46.0, 8: 75.0}
+    points = [ProfilePoint(1, b, 1000.0 * b / ms, 1.5 * ms) for b, ms in one.items()]
+    points += [ProfilePoint(2, b, 1000.0 * b / ms, 1.5 * ms) for b, ms in two.items()]
+    return CalibratedModel.from_profiles("m", points, {1: gamma1, 8: gamma8}, noise=noise)
+
+
+def test_calibrated_model_reproduces_its_profiles():
+    model = _calibrated()
+    for cores, ms in ((1, 20.0), (2, 16.7)):
+        rps, p99 = model.alone(cores, 1)
+        assert rps == pytest.approx(1000.0 / ms, rel=1e-6)
+        assert p99 == pytest.approx(1.5 * ms, rel=1e-6)
+    # Amdahl: more cores never slower, but with diminishing returns
+    lat = [model.batch_latency_ms(c, 8) for c in (1, 2, 4, 8, 16)]
+    assert lat == sorted(lat, reverse=True)
+    assert lat[0] / lat[4] < 16
+
+
+def test_calibrated_contention_matches_the_two_core_measurement():
+    model = _calibrated(gamma1=0.15)
+    alone = model.alone(1, 1)[0]
+    together, _ = model.expected_layout(parse_layout("2x1:b1"))
+    assert together / 2 == pytest.approx(alone / 1.15, rel=1e-9)  # what was measured on 2 cores
+    single, _ = model.expected_layout(parse_layout("1x4:b1"))
+    assert single == pytest.approx(model.alone(4, 1)[0])  # one instance alone: no contention
+    # saturating: 16 single-core instances slow each other by less than 1 + 2γ
+    many, _ = model.expected_layout(parse_layout("16x1:b1"))
+    assert alone * 16 / 1.3 < many < alone * 16 / 1.15
+
+
+def test_noise_changes_measurements_not_the_truth():
+    clean, noisy = _calibrated(), _calibrated(noise=0.05)
+    layout = parse_layout("2x2:b4")
+    assert noisy.expected_layout(layout) == clean.expected_layout(layout)
+    assert noisy.run_layout(layout) != clean.run_layout(layout)
+    assert 0.95 <= noisy.run_layout(layout)[0] / clean.run_layout(layout)[0] <= 1.06
+    assert noisy.with_noise(0.05, seed=1).profile(1, 4) != noisy.profile(1, 4)
+
+
+@pytest.mark.parametrize("slo", [None, 100.0, 40.0])
+@pytest.mark.parametrize("per_instance", [False, True])
+def test_exact_best_layout_equals_enumeration(slo, per_instance):
+    model = _calibrated()
+    n = 6
+    exact = model.best_layout(n, slo, BATCHES, per_instance_batch=per_instance)
+    layouts = list(all_layouts(n, BATCHES, per_instance_batch=per_instance))
+    assert len(layouts) == count_layouts(n, BATCHES, per_instance_batch=per_instance)
+    ok = [(model.expected_layout(x), x) for x in layouts]
+    ok = [(rps, x) for (rps, p99), x in ok if slo is None or p99 <= slo]
+    if not ok:
+        assert exact is None
+        return
+    best_rps = max(rps for rps, _ in ok)
+    assert exact is not None and exact[1] == pytest.approx(best_rps, rel=1e-9)
+    assert exact[0].total_cores == n
+
+
+def test_impossible_slo_has_no_best_layout():
+    assert _calibrated().best_layout(4, 1.0, BATCHES) is None
+
+
+def test_calibrated_models_from_calibration_document():
+    doc = {"models": {"x": {
+        "points": [{"cores": 1, "batch": 1, "throughput_rps": 50.0, "p99_ms": 30.0},
+                   {"cores": 2, "batch": 1, "throughput_rps": 80.0, "p99_ms": 19.0}],
+        "contention": [{"batch": 1, "factor": 0.8}]}}}
+    model = calibrated_models(doc)["x"]
+    assert model.contention[1] == pytest.approx(0.25)
+    assert model.serial[1] == pytest.approx(2 * 12.5 / 20.0 - 1.0)
+    with pytest.raises(ValueError, match="1-core"):
+        CalibratedModel.from_profiles("y", [ProfilePoint(2, 1, 10.0, 100.0)], {})

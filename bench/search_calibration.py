@@ -1,0 +1,220 @@
+"""Calibration for the layout-search study: real single-instance profiles and the 2-instance contention factor.
+
+    python bench/search_calibration.py                           # resnet50, bert-base, deepspeech2 (~15 min here)
+    python bench/search_calibration.py --models resnet50 --quick # smoke: batches 1,2,4 only
+    python bench/search_calibration.py --models deepspeech2      # re-measure one model, keep the others
+
+For each model: one instance alone (reamer.serve.profiler.measure_point: pinned worker, warm-up,
+windows until the last three are stable) on 1 and 2 cores at batches 1..32; then, per contention
+batch, one 1-core instance alone and two 1-core instances running together on cpus 0 and 1
+(measure_layout_detail, same fixed windows) — the ratio of per-instance throughput together vs alone
+is the contention factor the simulator (reamer.plan.simulator.CalibratedModel) extrapolates.
+Writes bench/search_calibration.json (kept in the repository; other models' entries are kept) and
+records the load average before/after every model, since this machine is shared.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+for _p in (str(ROOT), str(BENCH)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from reamer.host.errors import ReamerError  # noqa: E402
+from reamer.plan.layout import Layout  # noqa: E402
+from reamer.serve.models import build_model  # noqa: E402
+from reamer.serve.profiler import measure_layout_detail, measure_point  # noqa: E402
+
+CALIBRATION = BENCH / "search_calibration.json"
+MODELS: dict[str, dict[str, Any]] = {
+    "resnet50": {},
+    "bert-base": {"layers": 12, "seq_len": 128},
+    "deepspeech2": {},
+}
+BACKEND = "onnxruntime"
+
+
+def machine_info() -> dict[str, Any]:
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+            "kernel": platform.release()}
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def model_file(family: str, options: dict[str, Any], cache_dir: Path) -> Path:
+    """Build (once) the ONNX file of a family with these options into cache_dir."""
+    tag = "-".join(f"{k}{v}" for k, v in sorted(options.items()))
+    path = cache_dir / f"{family}{'-' + tag if tag else ''}.onnx"
+    if not path.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.onnx")
+        build_model(family, tmp, **options)
+        os.replace(tmp, path)
+    return path
+
+
+def measure_contention(path: Path, family: str, cpus: list[int], batches: list[int],
+                       timing: dict[str, float]) -> list[dict[str, Any]]:
+    """Per batch: a 1-core instance alone on each cpu in turn, then one on each cpu together. The alone
+    reference is the mean over both cpus, so a cpu that other tenants load more hurts both sides alike."""
+    fixed = {"warmup_s": timing["warmup_s"], "window_s": timing["window_s"], "windows": 4}
+    found = []
+    for b in batches:
+        alone = [measure_layout_detail(path, BACKEND, Layout.uniform(1, 1, b), [cpu], **fixed) for cpu in cpus]
+        together = measure_layout_detail(path, BACKEND, Layout.uniform(2, 1, b), cpus, **fixed)
+        alone_rps = statistics.mean(m.throughput_rps for m in alone)
+        windows = [w for m in alone for w in m.instances[0].window_rps]
+        cv = statistics.pstdev(windows) / statistics.mean(windows) if len(windows) > 1 else 0.0
+        per_instance = together.throughput_rps / 2
+        found.append({
+            "batch": b, "alone_rps": alone_rps, "alone_rps_per_cpu": [m.throughput_rps for m in alone],
+            "alone_p99_ms": max(m.p99_ms for m in alone), "together_rps": together.throughput_rps,
+            "together_rps_per_cpu": [i.overall_rps for i in together.instances],
+            "together_p99_ms": together.p99_ms,
+            "factor": per_instance / alone_rps if alone_rps > 0 else float("nan"), "window_cv": cv,
+        })
+        print(f"  {family} contention batch {b}: per-instance together/alone = {found[-1]['factor']:.3f}"
+              f" (alone per cpu {[round(x, 2) for x in found[-1]['alone_rps_per_cpu']]}, window cv {cv:.3f})",
+              flush=True)
+    return found
+
+
+def calibrate_model(family: str, options: dict[str, Any], cache_dir: Path, batches: list[int], cores: list[int],
+                    contention_batches: list[int], timing: dict[str, float],
+                    previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Profiles and contention of one model; with `previous` (--contention-only) its points are kept."""
+    path = model_file(family, options, cache_dir)
+    started, load_before = time.monotonic(), loadavg()
+    points = list(previous["points"]) if previous else []
+    for c in cores if previous is None else []:
+        for b in batches:
+            t0 = time.monotonic()
+            p = measure_point(path, BACKEND, c, b, cpus=sorted(os.sched_getaffinity(0)), **timing)
+            points.append({"cores": c, "batch": b, "throughput_rps": p.throughput_rps, "p99_ms": p.p99_ms,
+                           "seconds": round(time.monotonic() - t0, 1)})
+            print(f"  {family} {c} core(s) batch {b}: {p.throughput_rps:.2f} rps, p99 {p.p99_ms:.0f} ms", flush=True)
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    contention = measure_contention(path, family, cpus, contention_batches, timing) if len(cpus) == 2 else []
+    entry = {"options": options, "backend": BACKEND, "model_file": path.name, "points": points,
+             "contention": contention, "load_before": load_before, "load_after": loadavg(),
+             "contention_load": [load_before, loadavg()], "seconds": round(time.monotonic() - started, 1)}
+    if previous:  # the points keep the load they were measured under
+        entry["load_before"], entry["load_after"] = previous["load_before"], previous["load_after"]
+    return entry
+
+
+SUBSECTION = "### Calibration: real single-instance profiles and contention"
+
+
+def render(data: dict[str, Any]) -> str:
+    """Markdown summary of a calibration document (throughput and p99 per cores × batch, contention)."""
+    lines = [f"Command: `{data.get('command', 'python bench/search_calibration.py')}` · machine: "
+             f"{data['machine']['cpu_model']}, {data['machine']['cpus']} cpus · {data.get('backend', BACKEND)} · "
+             f"JSON: bench/search_calibration.json. Load average (1/5/15 min) per model is listed: the machine "
+             f"was shared, so these profiles carry other tenants' load.", ""]
+    for family, entry in data.get("models", {}).items():
+        batches = sorted({p["batch"] for p in entry["points"]})
+        options = f" {entry['options']}" if entry.get("options") else ""
+        lines += [f"{family}{options} (throughput/s, p99; load {entry['load_before']} → {entry['load_after']}):", "",
+                  "| cores | " + " | ".join(f"b{b}" for b in batches) + " |",
+                  "|---|" + "---|" * len(batches)]
+        for cores in sorted({p["cores"] for p in entry["points"]}):
+            cells = {p["batch"]: f"{p['throughput_rps']:.2f}/s, {p['p99_ms']:.0f} ms" for p in entry["points"]
+                     if p["cores"] == cores}
+            lines.append(f"| {cores} | " + " | ".join(cells.get(b, "—") for b in batches) + " |")
+        contention = ", ".join(f"b{c['batch']}: {c['factor']:.2f}" for c in entry.get("contention", []))
+        load = entry.get("contention_load")
+        lines += ["", f"Two 1-core instances together, per-instance throughput vs alone: {contention or '—'}"
+                  + (f" (load {load[0]} → {load[1]})." if load else "."), ""]
+    return "\n".join(lines).rstrip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help="comma list of " + ",".join(MODELS))
+    p.add_argument("--batches", default="1,2,4,8,16,32")
+    p.add_argument("--cores", default="1,2")
+    p.add_argument("--contention-batches", default="1,8")
+    p.add_argument("--warmup", type=float, default=0.5, help="warm-up per worker, s (at least one batch runs)")
+    p.add_argument("--window", type=float, default=0.5, help="measurement window, s (at least one batch each)")
+    p.add_argument("--max-windows", type=int, default=6)
+    p.add_argument("--quick", action="store_true", help="smoke: batches 1,2,4; contention at batch 1")
+    p.add_argument("--contention-only", action="store_true", help="keep the stored points, measure contention again")
+    p.add_argument("--calibration", default=None,
+                   help=f"the JSON to write, entries of other models kept (default {CALIBRATION.relative_to(ROOT)}; "
+                   "with --quick: OUT/search_calibration.json, so a smoke run never replaces the kept calibration)")
+    p.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "reamer-bench-models"))
+    p.add_argument("--out", default=None, help="also copy the JSON into this directory (bench/run_all.py)")
+    p.add_argument("--results-md", default=None, help="also write the calibration summary into this RESULTS.md")
+    args = p.parse_args(argv)
+    batches = [int(x) for x in args.batches.split(",")]
+    contention_batches = [int(x) for x in args.contention_batches.split(",")]
+    if args.quick:
+        batches, contention_batches = [b for b in batches if b <= 4], contention_batches[:1]
+    timing = {"warmup_s": args.warmup, "window_s": args.window, "max_windows": args.max_windows}
+    if args.calibration:
+        out_path = Path(args.calibration)
+    elif args.quick:
+        out_path = Path(args.out or tempfile.mkdtemp(prefix="reamer-calibration-")) / CALIBRATION.name
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        out_path = CALIBRATION
+    data = json.loads(out_path.read_text()) if out_path.exists() else {}
+    data.setdefault("models", {})
+    data.update({"machine": machine_info(), "backend": BACKEND, "timing": timing,
+                 "command": "python bench/search_calibration.py " + " ".join(sys.argv[1:] if argv is None else argv)})
+    try:
+        for family in [m for m in args.models.split(",") if m]:
+            if family not in MODELS:
+                raise ReamerError(f"unknown model {family!r} for the calibration", f"choose from {', '.join(MODELS)}")
+            print(f"== {family} (load {loadavg()})", flush=True)
+            previous = data["models"].get(family) if args.contention_only else None
+            if args.contention_only and not previous:
+                raise ReamerError(f"--contention-only: {family} has no stored points in {out_path}",
+                                  "run the calibration of this model without --contention-only first")
+            entry = calibrate_model(family, MODELS[family], Path(args.model_dir), batches,
+                                    [int(x) for x in args.cores.split(",")], contention_batches, timing, previous)
+            entry["measured_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            data["models"][family] = entry
+            tmp = out_path.with_name(f".{out_path.name}.tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, out_path)  # after every model: a crash keeps what was measured
+    except ReamerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.out and Path(args.out).resolve() != out_path.parent.resolve():
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / out_path.name).write_text(json.dumps(data, indent=1))
+    if args.results_md and not args.quick:
+        from results_md import replace_section
+        from search_quality import SECTION
+
+        replace_section(args.results_md, SUBSECTION, render(data), parent=SECTION)
+    print(f"calibration: {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
