@@ -492,14 +492,9 @@ class Bench:
 
 
 def machine_info() -> dict[str, Any]:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from reamer.host.topology import read_topology
+
+    model = read_topology().model_name
     import onnxruntime
 
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

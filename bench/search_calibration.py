@@ -47,14 +47,9 @@ BACKEND = "onnxruntime"
 
 
 def machine_info() -> dict[str, Any]:
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from reamer.host.topology import read_topology
+
+    model = read_topology().model_name
     return {"cpu_model": model, "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
             "kernel": platform.release()}
 
