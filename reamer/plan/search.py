@@ -147,6 +147,8 @@ def quick_search(
     max_repairs: int = 4,
     patience: int = 2,
     max_sweep: int = 4,
+    recheck_margin: float = 0.05,
+    max_rechecks: int = 4,
 ) -> SearchResult:
     """Guided profile + exact partition + verification of the best few layouts.
 
@@ -162,6 +164,9 @@ def quick_search(
        the best layout that missed toward lighter neighbours (at most `max_repairs` runs).
        5. Sweep the batch of the best verified core splits (at most `max_sweep` runs each): how
        much running instances slow each other depends on the batch, which no profile shows.
+       Before 4's repair walk: the best layouts whose one run missed the SLO by at most
+       `recheck_margin` (a measurement's noise) run twice more (at most `max_rechecks` runs); the
+       mean of the three decides. One noisy run just over the SLO otherwise discards the best layout for good.
     """
     batches = _check(n_cores, batches)
     progress = progress or _no_progress
@@ -189,14 +194,19 @@ def quick_search(
                             note="" if candidates else "no measured shape meets the SLO")
 
     verified: dict[Layout, Candidate] = {}
+    runs: dict[Layout, list[tuple[float, float]]] = {}
 
     def run(layout: Layout, guess: Candidate | None) -> Candidate:
         rps, p99 = verify(layout)
         rec.done += 1
         rec.total = max(rec.total, rec.done)
         progress(rec.done, rec.total, f"verified {layout}")
-        guess = guess or _predict(layout, rec.points)
-        verified[layout] = Candidate(layout, guess.predicted_rps, guess.predicted_p99_ms, rps, p99)
+        runs.setdefault(layout, []).append((rps, p99))
+        known = verified.get(layout)
+        guess = guess or known or _predict(layout, rec.points)
+        seen = runs[layout]  # a re-run: the mean of the runs so far
+        verified[layout] = Candidate(layout, guess.predicted_rps, guess.predicted_p99_ms,
+                                     sum(r for r, _ in seen) / len(seen), sum(p for _, p in seen) / len(seen))
         return verified[layout]
 
     # Round 0 also runs the uniform single-large / many-small layouts, which the independence
@@ -232,6 +242,7 @@ def quick_search(
         round_layouts = [(c.layout, _predict(c.layout, rec.points)) for c in fresh[:verify_top]]
 
     if slo_ms is not None:
+        _recheck(verified, slo_ms, run, recheck_margin, max_rechecks)
         _repair(verified, rec.points, slo_ms, run, max_repairs)
     _batch_sweep(verified, rec, batches, slo_ms, run, max_sweep)
 
@@ -262,6 +273,30 @@ def _neighbours(layout: Layout, points: dict[tuple[int, int], ProfilePoint]) -> 
         merged = [s for i, s in enumerate(shapes) if i not in pair] + [InstanceShape(2 * smallest, 2 * smallest, batch)]
         found.append(Layout(tuple(merged)).canonical())
     return found
+
+
+def _recheck(
+    verified: dict[Layout, Candidate],
+    slo_ms: float,
+    run: Callable[[Layout, Candidate | None], Candidate],
+    margin: float,
+    budget: int,
+) -> None:
+    """Run again, best measured throughput first, the layouts that beat the best one meeting the
+    SLO and missed it by at most `margin`: twice each, while the budget lasts and until one meets
+    it. The mean of all three runs decides: the first, which missed, keeps the verdict cautious
+    (stopping at the first lucky re-run would let layouts truly just over the SLO through)."""
+    best_ok = max((c.rps for c in verified.values() if _meets(c.p99_ms, slo_ms)), default=0.0)
+    near = sorted((c for c in verified.values()
+                   if not _meets(c.p99_ms, slo_ms) and c.p99_ms <= slo_ms * (1.0 + margin) and c.rps > best_ok),
+                  key=lambda c: -c.rps)
+    for candidate in near:
+        if budget < 2:
+            return
+        budget -= 2
+        run(candidate.layout, None)
+        if _meets(run(candidate.layout, None).p99_ms, slo_ms):
+            return
 
 
 def _repair(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from reamer.plan.layout import InstanceShape, Layout, format_layout
@@ -139,7 +139,8 @@ class CalibratedModel:
     batch grows, f_b ∈ [0, 1], γ ∈ [0, 1] (held constant beyond the measured batches).
     The profile (`profile`) sees only `alone`; `run_layout` sees `together`: the gap the quick search's
     verification step exists for. Extrapolating from 2 cores to 64 is an assumption, not a measurement.
-    `noise` adds a deterministic ± relative error (keyed by `seed`) to every measurement, as real ones have;
+    `noise` adds a deterministic ± relative error (keyed by `seed`) to every measurement, as real ones have
+    (the n-th run of one layout gets the n-th error: running it again is a fresh measurement);
     `expected_layout` is the noise-free truth used to judge a search's pick.
     """
 
@@ -150,6 +151,8 @@ class CalibratedModel:
     contention: dict[int, float]  # batch -> γ
     noise: float = 0.0
     seed: int = 0
+    # Runs of each layout so far: a re-run is a fresh measurement with its own (deterministic) error.
+    _runs: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     @classmethod
     def from_profiles(cls, name: str, points: Iterable[ProfilePoint], contention: dict[int, float],
@@ -226,7 +229,10 @@ class CalibratedModel:
     def run_layout(self, layout: Layout) -> tuple[float, float]:
         """A measurement of `layout` running together (with noise)."""
         rps, p99 = self.expected_layout(layout)
-        jitter = self._jitter("layout/" + format_layout(layout.canonical()))
+        key = "layout/" + format_layout(layout.canonical())
+        repeat = self._runs.get(key, 0)
+        self._runs[key] = repeat + 1
+        jitter = self._jitter(key if repeat == 0 else f"{key}/{repeat}")
         return rps / jitter, p99 * jitter
 
     def best_layout(self, n_cores: int, slo_ms: float | None, batches: Sequence[int],

@@ -140,3 +140,15 @@ def test_calibrated_models_from_calibration_document():
     assert model.serial[1] == pytest.approx(2 * 12.5 / 20.0 - 1.0)
     with pytest.raises(ValueError, match="1-core"):
         CalibratedModel.from_profiles("y", [ProfilePoint(2, 1, 10.0, 100.0)], {})
+
+
+def test_a_layout_run_again_is_a_fresh_measurement():
+    layout = parse_layout("2x1:b4")
+    first, again = _calibrated(noise=0.05), _calibrated(noise=0.05)
+    runs = [first.run_layout(layout) for _ in range(3)]
+    assert again.run_layout(layout) == runs[0]  # deterministic: the n-th run of a layout is always the same
+    assert len(set(runs)) == 3  # each run its own error ...
+    truth = first.expected_layout(layout)
+    assert all(0.95 <= truth[0] / rps <= 1.05 + 1e-9 for rps, _ in runs)  # ... within the noise
+    clean = _calibrated()
+    assert clean.run_layout(layout) == clean.run_layout(layout) == clean.expected_layout(layout)
