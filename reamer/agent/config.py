@@ -60,6 +60,8 @@ class InferenceConfig(_Section):
 
 class AgentConfig(_Section):
     socket: str = "/run/reamer/reamer.sock"
+    # Group that owns the socket (mode 0660): its members may use the CLI and API. None = root's group.
+    socket_group: Optional[str] = None
     state_dir: str = "/var/lib/reamer"
     run_dir: str = "/run/reamer"
     cgroup_root: str = "/sys/fs/cgroup"

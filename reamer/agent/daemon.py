@@ -8,6 +8,7 @@ without the agent too).
 """
 from __future__ import annotations
 
+import grp
 import logging
 import os
 import signal
@@ -30,7 +31,7 @@ class SocketInUse(ReamerError):
     pass
 
 
-def bind_unix_socket(path: str | Path) -> socket.socket:
+def bind_unix_socket(path: str | Path, group: str | None = None) -> socket.socket:
     """Listen on `path`, created 0660 from the start (umask), replacing a stale socket file."""
     path = Path(path)
     try:
@@ -61,6 +62,14 @@ def bind_unix_socket(path: str | Path) -> socket.socket:
     finally:
         os.umask(old_umask)
     os.chmod(path, SOCKET_MODE)
+    if group is not None:
+        try:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        except KeyError:
+            sock.close()
+            path.unlink()
+            raise ReamerError(f"socket_group {group!r} is not a group on this host",
+                              f"create it (groupadd {group}) or change socket_group in the config") from None
     sock.listen(128)
     return sock
 
@@ -107,7 +116,7 @@ def run_daemon(config: AgentConfig | str | Path | None = None, overrides: dict[s
     cfg = _resolve_config(config, overrides)
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sock = bind_unix_socket(cfg.socket)  # first: refuse early when another agent listens there
+    sock = bind_unix_socket(cfg.socket, cfg.socket_group)  # first: refuse early when another agent listens there
     try:
         agent = Agent(cfg)
         agent.start()
