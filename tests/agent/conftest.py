@@ -277,6 +277,14 @@ class Daemon:
             self._client = None
         return self.proc.returncode
 
+    def kill(self) -> None:
+        """kill -9 of the agent alone (its job processes live in their own sessions)."""
+        self.proc.kill()
+        self.proc.wait()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
     def restart(self) -> "Daemon":
         self.stop()
         return self.start()

@@ -15,9 +15,7 @@ from tests.agent.conftest import all_rr, needs_rt_host, wait_event, wait_for
 
 pytestmark = [needs_rt_host, pytest.mark.root]
 
-models = pytest.importorskip("reamer.serve.models")
-pytest.importorskip("reamer.serve.job")
-pytest.importorskip("reamer.plan.placement")
+from reamer.serve import models
 
 
 @pytest.fixture

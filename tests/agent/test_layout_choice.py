@@ -8,7 +8,7 @@ from reamer.agent.inference import InferenceRecord, LayoutChoice, ProfileCacheCh
 from reamer.plan.partition import ProfilePoint
 from reamer.serve.profile_cache import ProfileCache, model_key
 
-models = pytest.importorskip("reamer.serve.models")
+from reamer.serve import models
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from reamer.serve.profile_cache import ProfileCache, model_key
 from tests.agent.conftest import needs_rt_host
 
 
-models = pytest.importorskip("reamer.serve.models")
+from reamer.serve import models
 
 # short measurements so the search takes seconds: one free cpu, batches 1 and 2
 FAST_SEARCH = {"search_budget_s": 60, "search_max_batch": 2, "search_warmup_s": 0.05, "search_window_s": 0.05}

@@ -88,7 +88,7 @@ def test_metrics_expose_agent_state(daemon):
 
 
 def test_admission_refused_says_what_is_achievable(daemon_factory, tmp_path):
-    models = pytest.importorskip("reamer.serve.models")
+    from reamer.serve import models
     model = models.build_model("tiny", tmp_path / "tiny.onnx").path
     daemon = daemon_factory(inference={"layout_chooser": "tests.api.conftest:refuse_all"})
     with pytest.raises(ApiError) as info:
