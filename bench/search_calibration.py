@@ -127,8 +127,8 @@ def render(data: dict[str, Any]) -> str:
     """Markdown summary of a calibration document (throughput and p99 per cores × batch, contention)."""
     lines = [f"Command: `{data.get('command', 'python bench/search_calibration.py')}` · machine: "
              f"{data['machine']['cpu_model']}, {data['machine']['cpus']} cpus · {data.get('backend', BACKEND)} · "
-             f"JSON: bench/search_calibration.json. Load average (1/5/15 min) per model is listed: the machine "
-             f"was shared, so these profiles carry other tenants' load.", ""]
+             f"JSON: bench/search_calibration.json. Load average (1/5/15 min) before → after is listed per model "
+             f"(on a shared machine the profiles carry other tenants' load).", ""]
     for family, entry in data.get("models", {}).items():
         batches = sorted({p["batch"] for p in entry["points"]})
         options = f" {entry['options']}" if entry.get("options") else ""

@@ -244,8 +244,8 @@ def _pct(x: float | None) -> str:
 def render(data: dict) -> str:
     lines = [
         f"Command: `{data['command']}` · machine: {data['machine']['cpu_model']}, {data['machine']['cpus']} cpus · "
-        f"load average at start {data['load_start']} · calibration measured under load "
-        f"(see bench/search_calibration.json).",
+        f"load average at start {data['load_start']} · calibration: bench/search_calibration.json "
+        f"(its load averages are in the Calibration section).",
         "",
         "Simulator study (CalibratedModel from real 1-/2-core profiles + measured 2-instance contention; quick "
         "search sees noisy measurements, its pick is scored by the noise-free truth; exhaustive best is exact). "

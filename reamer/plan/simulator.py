@@ -212,7 +212,10 @@ class CalibratedModel:
     def profile(self, cores: int, batch: int) -> ProfilePoint:
         """A single-instance measurement (with noise), as the profiler would return it."""
         rps, p99 = self.alone(cores, batch)
-        jitter = self._jitter(f"point/{cores}/{batch}")
+        key = f"point/{cores}/{batch}"
+        repeat = self._runs.get(key, 0)  # a re-measurement draws fresh noise, as a real one would
+        self._runs[key] = repeat + 1
+        jitter = self._jitter(key if repeat == 0 else f"{key}/{repeat}")
         return ProfilePoint(cores=cores, batch=batch, throughput_rps=rps / jitter, p99_ms=p99 * jitter)
 
     def expected_layout(self, layout: Layout) -> tuple[float, float]:

@@ -204,3 +204,70 @@ def test_rechecks_a_layout_that_missed_the_slo_by_noise_alone():
     strict = truth_p99 / 1.006
     picked = quick_search(model.profile, 8, strict, verify=_first_run_pessimistic(model)).best
     assert str(picked.layout) != "2x4:b1" and model.expected_layout(picked.layout)[1] <= strict
+
+
+def _fake_run(verified, runs, readings):
+    """A `run` as quick_search builds it, reading the next of `readings[layout]` each time."""
+    from reamer.plan.partition import Candidate
+
+    def run(layout, guess):
+        rps, p99 = readings[layout].pop(0)
+        runs.setdefault(layout, []).append((rps, p99))
+        seen = runs[layout]
+        verified[layout] = Candidate(layout, rps, p99, sum(r for r, _ in seen) / len(seen),
+                                     sum(p for _, p in seen) / len(seen))
+        return verified[layout]
+    return run
+
+
+def test_a_point_just_over_the_slo_is_measured_again_before_it_is_excluded():
+    from reamer.plan.search import _Recorder
+
+    readings = {(1, 1): [ProfilePoint(1, 1, 10.0, 102.0), ProfilePoint(1, 1, 10.0, 98.0),
+                         ProfilePoint(1, 1, 10.0, 97.0)],
+                (2, 1): [ProfilePoint(2, 1, 12.0, 130.0)]}
+    rec = _Recorder(lambda c, b: readings[(c, b)].pop(0), lambda *a: None, total=1)
+    rec.recheck_budget, rec.margin = 4, 0.05
+    assert rec.meets(1, 1, 100.0) and rec.done == 3  # mean 99 ms: meets
+    assert rec.points[(1, 1)].p99_ms == pytest.approx(99.0)
+    assert not rec.meets(2, 1, 100.0) and rec.done == 4  # 30 % over: no noise, not measured again
+
+
+def test_a_noisy_tie_is_settled_by_repeated_runs():
+    from reamer.plan.layout import parse_layout
+    from reamer.plan.search import _settle_ties
+
+    fast, slow = parse_layout("4x1:b1"), parse_layout("2x2:b1")
+    readings = {fast: [(100.0, 50.0), (101.0, 50.0), (99.0, 50.0)], slow: [(103.0, 50.0), (96.0, 50.0), (95.0, 50.0)]}
+    verified, runs = {}, {}
+    run = _fake_run(verified, runs, readings)
+    run(fast, None), run(slow, None)
+    assert max(verified.values(), key=lambda c: c.rps).layout == slow  # one lucky reading
+    _settle_ties(verified, runs, 200.0, run, tie=0.05, budget=6)
+    assert max(verified.values(), key=lambda c: c.rps).layout == fast
+    assert len(runs[fast]) == len(runs[slow]) == 3
+
+
+def test_a_layout_within_noise_of_the_slo_yields_to_a_tie_with_headroom():
+    from reamer.plan.layout import parse_layout
+    from reamer.plan.partition import Candidate
+    from reamer.plan.search import _prefer_headroom
+
+    edge = Candidate(parse_layout("4x1:b2"), 100.0, 199.0, 100.0, 199.0)
+    safe = Candidate(parse_layout("2x2:b2"), 97.0, 170.0, 97.0, 170.0)
+    slow = Candidate(parse_layout("1x4:b2"), 90.0, 120.0, 90.0, 120.0)
+    assert _prefer_headroom([edge, safe, slow], 200.0, 0.05, 0.05)[0] is safe
+    assert _prefer_headroom([edge, slow], 200.0, 0.05, 0.05)[0] is edge  # no tie: keep the fastest
+    assert _prefer_headroom([edge, safe], 250.0, 0.05, 0.05)[0] is edge  # far from the SLO
+
+
+def test_together_factors_take_the_worst_instance_of_each_size():
+    from reamer.plan.layout import parse_layout
+    from reamer.plan.partition import Candidate
+    from reamer.plan.search import _together_factors
+
+    layout = parse_layout("3x1:b4+1x1:b1")
+    points = {(1, 4): ProfilePoint(1, 4, 10.0, 500.0), (1, 1): ProfilePoint(1, 1, 9.0, 100.0)}
+    verified = {layout: Candidate(layout, 39.0, 500.0, 30.0, 700.0)}
+    _, inflated = _together_factors(verified, points)
+    assert inflated[1] == pytest.approx(1.4)  # 700 / 500, not 700 / 100 of the b1 instance

@@ -152,3 +152,14 @@ def test_a_layout_run_again_is_a_fresh_measurement():
     assert all(0.95 <= truth[0] / rps <= 1.05 + 1e-9 for rps, _ in runs)  # ... within the noise
     clean = _calibrated()
     assert clean.run_layout(layout) == clean.run_layout(layout) == clean.expected_layout(layout)
+
+
+def test_a_point_measured_again_is_a_fresh_measurement():
+    first, again = _calibrated(noise=0.05), _calibrated(noise=0.05)
+    readings = [first.profile(2, 4) for _ in range(3)]
+    assert again.profile(2, 4) == readings[0]  # the n-th measurement of a point is always the same
+    assert len({p.p99_ms for p in readings}) == 3
+    truth = first.alone(2, 4)[1]
+    assert all(0.95 <= p.p99_ms / truth <= 1.05 + 1e-9 for p in readings)
+    clean = _calibrated()
+    assert clean.profile(2, 4) == clean.profile(2, 4)
