@@ -220,15 +220,9 @@ class Job:
         new, kept, start, retire = plan
         loop = asyncio.get_running_loop()
         started, _ = await loop.run_in_executor(None, self._start_workers, [(j, new.instances[j]) for j in start])
-        old = self.workers
-        aligned: list[InstanceWorker | None] = [None] * len(new.instances)
-        for i, j in kept:
-            old[i].index = j
-            aligned[j] = old[i]
+        old = self._realign(new, kept, started)
         for w in started:
-            aligned[w.index] = w
             batcher.add_instance(w)  # new ones serve before old ones retire
-        self.workers = [w for w in aligned if w is not None]
         for i in retire:
             await batcher.remove_instance(old[i])
         batcher.slo_ms = stats.slo_ms = new.slo_ms
@@ -294,6 +288,18 @@ class Job:
             return
         new, kept, start, retire = plan
         started, _ = self._start_workers([(j, new.instances[j]) for j in start])
+        old = self._realign(new, kept, started)
+        for w in started:
+            runner.add_instance(w)
+        for i in retire:
+            runner.remove_instance(old[i])
+        self.spec = new
+        self._event("reconfigured", f"instances: kept {len(kept)}, started {len(start)}, stopped {len(retire)}",
+                    kept=len(kept), started=len(start), stopped=len(retire))
+
+    def _realign(self, new: JobSpec, kept: list[tuple[int, int]],
+                 started: list[InstanceWorker]) -> list[InstanceWorker]:
+        """Index kept and started workers by their place in the new spec; returns the old list (to retire from)."""
         old = self.workers
         aligned: list[InstanceWorker | None] = [None] * len(new.instances)
         for i, j in kept:
@@ -301,13 +307,8 @@ class Job:
             aligned[j] = old[i]
         for w in started:
             aligned[w.index] = w
-            runner.add_instance(w)
         self.workers = [w for w in aligned if w is not None]
-        for i in retire:
-            runner.remove_instance(old[i])
-        self.spec = new
-        self._event("reconfigured", f"instances: kept {len(kept)}, started {len(start)}, stopped {len(retire)}",
-                    kept=len(kept), started=len(start), stopped=len(retire))
+        return old
 
 
 def main(argv: list[str] | None = None) -> int:
