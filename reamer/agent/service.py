@@ -47,6 +47,7 @@ class Agent:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_reconcile: float = 0.0
+        self._last_gpu_tick: float = float("-inf")  # time.monotonic() of the last GPU sample
         self.on_reconcile: list[Callable[[float], None]] = []  # called with the pass duration (metrics, watchdog)
         self.topology = topology or read_topology()
         self.driver = driver or detect_driver(config.cgroup_root, proc_root)
@@ -167,7 +168,9 @@ class Agent:
             self._replan()
         # The GPU manager is thread-safe and its tick runs MPS control commands (up to
         # gpu.command_timeout_s each): outside the agent lock, so a slow MPS daemon never stalls the API.
-        if self.gpu is not None:
+        # Paced by gpu.sample_interval_s, not by the (usually faster) reconcile interval.
+        if self.gpu is not None and started - self._last_gpu_tick >= self.gpu.config.sample_interval_s:
+            self._last_gpu_tick = started
             try:
                 self.gpu.tick()
             except Exception:  # noqa: BLE001
