@@ -54,6 +54,8 @@ class InferenceConfig(_Section):
     search_warmup_s: float = Field(default=0.5, ge=0, le=60)
     search_window_s: float = Field(default=0.25, gt=0, le=60)
     # Crash-loop guard: a job process restarted more than restart_limit times in restart_window_s fails.
+    # Largest online request body a job's front door takes; bigger ones get 413 before they are read.
+    max_request_mb: float = Field(default=64.0, gt=0, le=4096)
     restart_limit: int = Field(default=5, ge=0)
     restart_window_s: float = Field(default=60.0, gt=0)
 

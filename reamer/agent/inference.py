@@ -251,11 +251,12 @@ class InferenceSupervisor:
     """Not thread-safe by itself: the Agent calls it under its lock (long waits are separate calls)."""
 
     def __init__(self, run_dir: str | Path, reserved_cpus: Iterable[int], *, offline_sched: str = "rr-preempt",
-                 emit: EmitFn | None = None, save: Callable[[InferenceRecord], None] | None = None,
+                 max_request_mb: float = 64.0, emit: EmitFn | None = None, save: Callable[[InferenceRecord], None] | None = None,
                  restart_limit: int = 5, restart_window_s: float = 60.0, python: str = sys.executable) -> None:
         self.jobs_dir = Path(run_dir) / "jobs"
         self.reserved = sorted(reserved_cpus)
         self.offline_sched = offline_sched
+        self.max_request_mb = max_request_mb
         self.emit = emit or (lambda *a, **k: None)
         self.save = save or (lambda rec: None)
         self.restart_limit = restart_limit
@@ -386,7 +387,8 @@ class InferenceSupervisor:
         frontdoor = self.reserved or own or sorted({c for i in rec.instances for c in i["cpus"]})
         return JobSpec(name=rec.name, kind=rec.kind, model=rec.model, backend=rec.backend, instances=instances,
                        frontdoor_cpus=frontdoor, slo_ms=rec.slo_ms, rate_rps=rec.rate_rps, port=rec.port,
-                       input_dir=rec.input_dir, output_dir=rec.output_dir, run_dir=str(self.job_dir(rec.name)))
+                       input_dir=rec.input_dir, output_dir=rec.output_dir, run_dir=str(self.job_dir(rec.name)),
+                       max_request_mb=self.max_request_mb)
 
     def allowed_cpus(self, rec: InferenceRecord) -> set[int]:
         spec = self.build_spec(rec)

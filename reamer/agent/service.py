@@ -57,7 +57,7 @@ class Agent:
         self.pinner = TrainingPinner(self.driver, config.cgroup_name, config.training.rt_runtime_us, proc_root)
         self.supervisor = InferenceSupervisor(
             config.run_dir, config.reserved_cpus, offline_sched=config.inference.offline_sched,
-            emit=self.events.emit, save=self._save_inference, restart_limit=config.inference.restart_limit,
+            max_request_mb=config.inference.max_request_mb, emit=self.events.emit, save=self._save_inference, restart_limit=config.inference.restart_limit,
             restart_window_s=config.inference.restart_window_s)
         profile_dir = config.inference.profile_dir or str(Path(config.state_dir) / "profiles")
         self.choose_layout: LayoutChooser = layout_chooser or load_chooser(config.inference.layout_chooser, profile_dir, config.inference)

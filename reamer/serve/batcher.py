@@ -34,12 +34,22 @@ class NotReady(ReamerError):
 
 
 @dataclass
+class RequestTiming:
+    """Where one request's time went inside the job (seconds): waiting for an instance, and the
+    backend run of the batch it was in (the rest is decode, batching and the hop to the instance)."""
+
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+
+
+@dataclass
 class _Request:
     inputs: dict[str, np.ndarray]
     batch: int
     signature: tuple
     arrived: float
     future: asyncio.Future = field(repr=False)
+    timing: RequestTiming = field(default_factory=RequestTiming)
 
 
 @dataclass
@@ -148,8 +158,10 @@ class DynamicBatcher:
     def _any_idle(self) -> bool:
         return any(lane.idle and lane.worker.ready and not lane.retiring for lane in self._lanes)
 
-    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Queue one request (arrays with a leading batch axis) and wait for its outputs.
+    async def infer(self, inputs: dict[str, np.ndarray],
+                    timing: RequestTiming | None = None) -> dict[str, np.ndarray]:
+        """Queue one request (arrays with a leading batch axis) and wait for its outputs; `timing`, when
+        given, is filled in with where the time went.
 
         Raises Overloaded (shed), NotReady (no instance), InstanceCrashed, InferenceFailed.
         """
@@ -171,7 +183,8 @@ class DynamicBatcher:
                     f"{self.slo_ms:g} ms SLO; request shed",
                     "retry later, lower the request rate, or give the job more cores")
         signature = tuple(sorted((k, v.dtype.str, v.shape[1:]) for k, v in inputs.items()))
-        req = _Request(inputs, batch, signature, arrived, asyncio.get_running_loop().create_future())
+        req = _Request(inputs, batch, signature, arrived, asyncio.get_running_loop().create_future(),
+                       timing if timing is not None else RequestTiming())
         cond = self._cond()
         async with cond:
             self._queue.append(req)
@@ -244,6 +257,9 @@ class DynamicBatcher:
         live = [r for r in taken if not r.future.done()]  # client may have gone away
         if not live:
             return
+        started = time.monotonic()
+        for r in live:
+            r.timing.queue_s = started - r.arrived
         names = list(live[0].inputs)
         batch_inputs = {n: (live[0].inputs[n] if len(live) == 1 else np.concatenate([r.inputs[n] for r in live]))
                         for n in names}
@@ -257,6 +273,7 @@ class DynamicBatcher:
             return
         offset = 0
         for r in live:
+            r.timing.compute_s = lane.worker.last_backend_s
             part = {}
             for name, arr in outputs.items():
                 # Outputs without the batch axis (scalars, per-batch values) go to everyone unchanged.

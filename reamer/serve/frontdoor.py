@@ -7,33 +7,43 @@ Infer takes JSON tensors and the binary tensor data extension: when the request 
 follow, in input order, for every input with `parameters.binary_data_size`. Outputs go back binary
 when the requested output says `parameters.binary_data: true`, or the request says
 `parameters.binary_data_output: true`; the response then carries the same header.
-Errors are `{"error": "message"}`: 400 bad input, 404 unknown model, 503 overloaded / not ready.
+Errors are `{"error": "message"}`: 400 bad input, 404 unknown model or path, 405 wrong method,
+413 request too large, 503 overloaded / not ready. Every infer response carries a W3C `Server-Timing`
+header: queue wait, backend compute and the whole time in the job (ms).
+
+The HTTP/1.1 layer is a small asyncio protocol over httptools (the C parser uvicorn uses), not an
+ASGI stack: uvicorn + FastAPI cost about 1.6 ms of CPU per request on the job's core, which is more than
+the whole ≤ 1 ms overhead budget of the front door (bench/RESULTS.md). It keeps connections alive,
+answers pipelined requests in order, takes chunked bodies and `Expect: 100-continue`, and refuses a
+body over the size limit with 413.
 """
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import json
 import math
 import socket
-from dataclasses import dataclass
+import sys
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
+from urllib.parse import unquote
 
+import httptools
 import numpy as np
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from reamer.host.errors import ReamerError
-from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded
+from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded, RequestTiming
 from reamer.serve.tensors import TensorInfo, UnsupportedDatatype, numpy_to_v2, v2_to_numpy
 from reamer.serve.worker import InferenceFailed, WorkerError
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 SERVER_NAME = "reamer"
 SERVER_VERSION = "0.1.0"
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 
 
 class BadRequest(ReamerError):
@@ -110,7 +120,8 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
             if offset + size > len(blob):
                 raise BadRequest(f"input {name!r}: the body ends before its {size} binary bytes",
                                  "append every binary input after the JSON header, in input order")
-            arr = np.frombuffer(blob[offset:offset + size], dtype=dtype.newbyteorder("<")).astype(dtype, copy=True)
+            # a view of the body (it lives as long as the request); a copy only to swap the byte order
+            arr = np.frombuffer(blob[offset:offset + size], dtype=dtype.newbyteorder("<")).astype(dtype, copy=False)
             offset += size
         else:
             if "data" not in item:
@@ -180,74 +191,90 @@ def encode_response(model_name: str, decoded: DecodedRequest, outputs: dict[str,
     return head + b"".join(blobs), {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+def server_timing(timing: RequestTiming, total_s: float) -> str:
+    """The W3C Server-Timing header: queue wait, backend compute and the whole request in the job (ms)."""
+    return (f"queue;dur={timing.queue_s * 1e3:.3f}, compute;dur={timing.compute_s * 1e3:.3f}, "
+            f"total;dur={total_s * 1e3:.3f}")
 
 
-def create_app(model_name: str, batcher: DynamicBatcher, platform: str = "onnxruntime_onnx") -> FastAPI:
-    """The v2 REST app of one model served by `batcher`."""
-    app = FastAPI(title=f"reamer job {model_name}", docs_url=None, redoc_url=None)
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
 
-    def signature() -> tuple[list[TensorInfo], list[TensorInfo]] | None:
-        for w in batcher.workers:
+
+def _json(status: int, doc: Any) -> Reply:
+    return Reply(status, json.dumps(doc).encode())
+
+
+def _error(status: int, message: str, **headers: str) -> Reply:
+    return Reply(status, json.dumps({"error": message}).encode(), headers=headers)
+
+
+class V2App:
+    """The v2 endpoints of one model served by `batcher`: (method, path, headers, body) -> Reply."""
+
+    def __init__(self, model_name: str, batcher: DynamicBatcher, platform: str = "onnxruntime_onnx") -> None:
+        self.model_name = model_name
+        self.batcher = batcher
+        self.platform = platform
+
+    def _signature(self) -> tuple[list[TensorInfo], list[TensorInfo]] | None:
+        for w in self.batcher.workers:
             if w.inputs:
                 return w.inputs, w.outputs
         return None
 
-    def all_ready() -> bool:
-        workers = batcher.workers
+    def _all_ready(self) -> bool:
+        workers = self.batcher.workers
         return bool(workers) and all(w.ready and w.alive for w in workers)
 
-    def unknown_model(name: str) -> JSONResponse:
-        return _error(404, f"unknown model {name!r}; this endpoint serves {model_name!r}")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(400, f"bad request: {exc.errors()}")
-
-    @app.get("/v2/health/live")
-    async def live() -> dict:
-        return {"live": True}
-
-    @app.get("/v2/health/ready")
-    async def ready() -> Response:
-        if all_ready():
-            return JSONResponse({"ready": True})
-        return _error(503, f"{batcher.ready_count()} of {len(batcher.workers)} instances are ready")
-
-    @app.get("/v2")
-    async def server_metadata() -> dict:
-        return {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": ["binary_tensor_data"]}
-
-    async def model_metadata(name: str) -> Response:
-        if name != model_name:
-            return unknown_model(name)
-        sig = signature()
+    async def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
+        parts = [p for p in path.split("?", 1)[0].split("/") if p]
+        if parts[:1] != ["v2"]:
+            return _error(404, f"no endpoint {path}; this server speaks the Open Inference Protocol under /v2")
+        route, name = parts[1:], None
+        if route[:1] == ["models"] and len(route) >= 2:
+            name, rest = unquote(route[1]), route[2:]
+            if rest[:1] == ["versions"] and len(rest) >= 2:
+                rest = rest[2:]
+            route = ["models", *rest]
+        want = "POST" if route == ["models", "infer"] else "GET"
+        if route not in (["health", "live"], ["health", "ready"], [], ["models"], ["models", "ready"],
+                         ["models", "infer"]):
+            return _error(404, f"no endpoint {path}; see GET /v2/models/{self.model_name} for this model")
+        if method != want:
+            return _error(405, f"{path} takes {want}, not {method}", allow=want)
+        if name is not None and name != self.model_name:
+            return _error(404, f"unknown model {name!r}; this endpoint serves {self.model_name!r}")
+        if route == ["health", "live"]:
+            return _json(200, {"live": True})
+        if route == ["health", "ready"]:
+            if self._all_ready():
+                return _json(200, {"ready": True})
+            return _error(503, f"{self.batcher.ready_count()} of {len(self.batcher.workers)} instances are ready")
+        if not route:
+            return _json(200, {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": ["binary_tensor_data"]})
+        if route == ["models", "ready"]:
+            if self._all_ready():
+                return _json(200, {"name": name, "ready": True})
+            return _error(503, f"model {name!r} is not ready: {self.batcher.ready_count()} of "
+                               f"{len(self.batcher.workers)} instances ready")
+        sig = self._signature()
         if sig is None:
             return _error(503, f"model {name!r} is still loading; retry in a few seconds")
-        ins, outs = sig
-        return JSONResponse({"name": model_name, "versions": ["1"], "platform": platform,
-                             "inputs": [t.to_dict() for t in ins], "outputs": [t.to_dict() for t in outs]})
+        if route == ["models"]:
+            ins, outs = sig
+            return _json(200, {"name": self.model_name, "versions": ["1"], "platform": self.platform,
+                               "inputs": [t.to_dict() for t in ins], "outputs": [t.to_dict() for t in outs]})
+        return await self._infer(headers, body, sig)
 
-    async def model_ready(name: str) -> Response:
-        if name != model_name:
-            return unknown_model(name)
-        if all_ready():
-            return JSONResponse({"name": name, "ready": True})
-        return _error(503, f"model {name!r} is not ready: {batcher.ready_count()} of {len(batcher.workers)} instances ready")
-
-    async def infer(name: str, request: Request) -> Response:
-        if name != model_name:
-            return unknown_model(name)
-        sig = signature()
-        if sig is None:
-            return _error(503, f"model {name!r} is still loading; retry in a few seconds")
-        body = await request.body()
-        raw_len = request.headers.get(HEADER_LENGTH)
+    async def _infer(self, headers: dict[str, str], body: bytes,
+                     sig: tuple[list[TensorInfo], list[TensorInfo]]) -> Reply:
+        started = time.perf_counter()
+        raw_len = headers.get(HEADER_LENGTH.lower())
         try:
             header_length = int(raw_len) if raw_len is not None else None
         except ValueError:
@@ -256,66 +283,185 @@ def create_app(model_name: str, batcher: DynamicBatcher, platform: str = "onnxru
             decoded = decode_request(body, header_length, *sig)
         except BadRequest as exc:
             return _error(400, str(exc))
+        timing = RequestTiming()
         try:
-            outputs = await batcher.infer(decoded.inputs)
+            outputs = await self.batcher.infer(decoded.inputs, timing)
         except (Overloaded, NotReady, WorkerError) as exc:
-            status = 500 if isinstance(exc, InferenceFailed) else 503
-            return _error(status, str(exc))
-        content, headers = encode_response(model_name, decoded, outputs, sig[1])
-        media = headers.pop("content-type")
-        return Response(content=content, media_type=media, headers=headers)
-
-    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        app.add_api_route(prefix, model_metadata, methods=["GET"])
-        app.add_api_route(prefix + "/ready", model_ready, methods=["GET"])
-        app.add_api_route(prefix + "/infer", infer, methods=["POST"])
-    return app
+            return _error(500 if isinstance(exc, InferenceFailed) else 503, str(exc))
+        content, out_headers = encode_response(self.model_name, decoded, outputs, sig[1])
+        out_headers["server-timing"] = server_timing(timing, time.perf_counter() - started)
+        return Reply(200, content, out_headers.pop("content-type"), out_headers)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: the job handles SIGTERM/SIGINT/SIGHUP itself."""
-
-    def capture_signals(self):  # type: ignore[override]
-        return contextlib.nullcontext()
-
-    def install_signal_handlers(self) -> None:  # older uvicorn
-        return None
+def create_app(model_name: str, batcher: DynamicBatcher, platform: str = "onnxruntime_onnx") -> V2App:
+    """The v2 endpoints of one model served by `batcher`."""
+    return V2App(model_name, batcher, platform)
 
 
-def _http_protocol_base() -> type:
-    """uvicorn's httptools protocol when httptools is installed (its C parser takes a 600 KB body in a
-    fraction of h11's time), else the pure-Python h11 one."""
-    try:
-        import httptools  # noqa: F401
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:
-        return H11Protocol
-    return HttpToolsProtocol
+@dataclass
+class _Incoming:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    keep_alive: bool
+    refused: Reply | None = None  # answered without running the app (bad request, too large)
 
 
-class _NoDelayHTTP(_http_protocol_base()):  # type: ignore[misc]
-    """uvicorn's HTTP/1.1 protocol with TCP_NODELAY on every connection.
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 client connection: parse with httptools, answer requests in arrival order."""
 
-    asyncio turns Nagle off only for sockets created with proto IPPROTO_TCP; a socket accepted from a
-    listener made with proto 0 keeps it on. The response head and body go out in two writes, so Nagle
-    held the body until the client acknowledged the head — and a client in delayed-ACK mode (steady
-    keep-alive traffic) waits up to 40 ms to do so: a 40 ms stall per request above a few req/s.
-    """
+    MAX_PIPELINED = 16  # stop reading from a client that queues more unanswered requests than this
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def __init__(self, door: "FrontDoor") -> None:
+        self.door = door
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.pending: deque[_Incoming] = deque()
+        self.busy = False
+        self._task: asyncio.Task | None = None
+        self._paused = False
+        self._broken = False  # stop parsing: the connection closes after the queued answers
+        self._new_message()
+
+    def _new_message(self) -> None:
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._size = 0
+        self._too_large = False
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Nagle would hold the body of a response until the client acknowledged its head: up to
+            # 40 ms per request with a client in delayed-ACK mode.
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-        super().connection_made(transport)
+        self.transport = transport  # type: ignore[assignment]
+        self.door.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.door.connections.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._broken:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(_error(400, "protocol upgrades are not supported", connection="close"))
+        except httptools.HttpParserError as exc:
+            self._refuse(_error(400, f"malformed HTTP request ({exc})", connection="close"))
+
+    # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        self._new_message()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        length = self._headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.door.max_request_bytes:
+            self._too_large = True
+            if self._headers.get("expect", "").lower() == "100-continue":
+                self._refuse(self._too_large_reply())  # the client waits: it never sends the body
+        elif self._headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, chunk: bytes) -> None:
+        self._size += len(chunk)
+        if self._size > self.door.max_request_bytes:
+            self._too_large, self._body = True, []
+        if not self._too_large:
+            self._body.append(chunk)
+
+    def on_message_complete(self) -> None:
+        if self._broken:
+            return
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        incoming = _Incoming(self.parser.get_method().decode("latin-1"), self._url.decode("latin-1"),
+                             self._headers, body, self.parser.should_keep_alive(),
+                             self._too_large_reply() if self._too_large else None)
+        self._new_message()
+        self._queue(incoming)
+
+    # -- answering
+    def _too_large_reply(self) -> Reply:
+        limit = self.door.max_request_bytes
+        return _error(413, f"request body is over this job's limit of {limit} bytes ({limit / 2**20:g} MiB); "
+                           "send fewer samples per request, or raise the job's max_request_mb")
+
+    def _refuse(self, reply: Reply) -> None:
+        self._broken = True
+        self._queue(_Incoming("", "", {}, b"", keep_alive=False, refused=reply))
+
+    def _queue(self, incoming: _Incoming) -> None:
+        self.pending.append(incoming)
+        if len(self.pending) >= self.MAX_PIPELINED and self.transport is not None and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._answer_all())
+
+    async def _answer_all(self) -> None:
+        while self.pending:
+            incoming = self.pending.popleft()
+            if self._paused and len(self.pending) < self.MAX_PIPELINED // 2 and self.transport is not None:
+                self._paused = False
+                self.transport.resume_reading()
+            self.busy = True
+            try:
+                reply = incoming.refused or await self.door.app.handle(incoming.method, incoming.path,
+                                                                       incoming.headers, incoming.body)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not take the connection down
+                traceback.print_exc(file=sys.stderr)
+                reply = _error(500, f"internal error while serving {incoming.path}: {exc}")
+            finally:
+                self.busy = False
+            keep_alive = incoming.keep_alive and not self.door.stopping
+            if self.transport is None:
+                return  # the client went away; its answer has nowhere to go
+            self._write(reply, keep_alive)
+            if not keep_alive:
+                self.transport.close()
+                return
+
+    def _write(self, reply: Reply, keep_alive: bool) -> None:
+        lines = [f"HTTP/1.1 {reply.status} {HTTPStatus(reply.status).phrase}", f"server: {SERVER_NAME}",
+                 f"content-type: {reply.content_type}", f"content-length: {len(reply.body)}"]
+        lines += [f"{k}: {v}" for k, v in reply.headers.items() if k != "connection"]
+        if not keep_alive:
+            lines.append("connection: close")
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        assert self.transport is not None
+        if len(reply.body) < 65536:
+            self.transport.write(head + reply.body)
+        else:
+            self.transport.writelines([head, reply.body])
+
+    def close_if_idle(self) -> bool:
+        if self.transport is not None and not self.busy and not self.pending:
+            self.transport.close()
+            return True
+        return self.transport is None
 
 
 class FrontDoor:
-    """A bound listening socket (so port 0 resolves at once) and the uvicorn server for `app`."""
+    """A bound listening socket (so port 0 resolves at once) and the HTTP server of `app` on it."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    GRACE_S = 10.0  # a stop waits this long for requests in flight
+
+    def __init__(self, app: V2App, host: str, port: int,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -326,22 +472,40 @@ class FrontDoor:
             raise ReamerError(f"cannot listen on {host}:{port}: {exc.strerror}",
                               "pick a free port, or 0 to let the system choose") from None
         self._sock.listen(1024)
-        self._sock.set_inheritable(True)
+        self.app = app
         self.host = host
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=10, http=_NoDelayHTTP)
-        self._server = _Server(config)
+        self.max_request_bytes = max_request_bytes
+        self.connections: set[_Connection] = set()
+        self.started = False
+        self.stopping = False
+        self._stop: asyncio.Event | None = None
 
     async def serve(self) -> None:
+        """Serve until request_stop(); then stop accepting, let requests in flight finish, close."""
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        if self.stopping:
+            self._stop.set()
         try:
-            await self._server.serve(sockets=[self._sock])
-        finally:
+            server = await loop.create_server(lambda: _Connection(self), sock=self._sock)
+        except BaseException:
             self._sock.close()
-
-    @property
-    def started(self) -> bool:
-        return bool(self._server.started)
+            raise
+        self.started = True
+        try:
+            await self._stop.wait()
+        finally:
+            server.close()
+            deadline = time.monotonic() + self.GRACE_S
+            while not all([c.close_if_idle() for c in list(self.connections)]) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            for conn in list(self.connections):
+                if conn.transport is not None:
+                    conn.transport.abort()
 
     def request_stop(self) -> None:
-        self._server.should_exit = True
+        """Stop serving (call from the event loop's thread)."""
+        self.stopping = True
+        if self._stop is not None:
+            self._stop.set()

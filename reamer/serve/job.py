@@ -40,6 +40,16 @@ def pin_process(cpus: list[int]) -> None:
             pass  # a thread that just ended
 
 
+def _event_loop_factory():
+    """uvloop's event loop where installed: its C loop and transports take a good part of the
+    per-request CPU off the job's core (bench/RESULTS.md); asyncio's own loop otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 class Job:
     def __init__(self, spec_path: str | os.PathLike) -> None:
         self._stop = threading.Event()
@@ -128,7 +138,8 @@ class Job:
         self._write_status()
         try:
             if self.spec.kind == "online":
-                return asyncio.run(self._run_online())
+                with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+                    return runner.run(self._run_online())
             return self._run_offline()
         except ReamerError as exc:
             return self._fail(str(exc))
@@ -150,7 +161,8 @@ class Job:
         overload = OverloadDetector(spec.rate_rps, sustain_s=OVERLOAD_SUSTAIN_S)
         batcher = DynamicBatcher(spec.slo_ms, stats, name=spec.name)
         platform = "onnxruntime_onnx" if spec.backend == "onnxruntime" else "openvino"
-        door = FrontDoor(create_app(spec.name, batcher, platform), spec.host, spec.port or 0)
+        door = FrontDoor(create_app(spec.name, batcher, platform), spec.host, spec.port or 0,
+                         max_request_bytes=int(spec.max_request_mb * 2**20))
         self.status.port = door.port
         self._write_status()  # the port is known now, before the workers are up
         serving = loop.create_task(door.serve())

@@ -87,6 +87,7 @@ class JobSpec:
     rate_rps: float | None = None
     port: int | None = None
     host: str = "127.0.0.1"
+    max_request_mb: float = 64.0  # online: larger request bodies get 413
     input_dir: str | None = None
     output_dir: str | None = None
 
@@ -102,6 +103,9 @@ class JobSpec:
                             "set both input_dir and output_dir in the spec")
         if self.kind == "online" and self.port is None:
             raise SpecError(f"online job {self.name!r} has no port", "set port (0 picks a free one)")
+        if not self.max_request_mb > 0:
+            raise SpecError(f"job {self.name!r} has max_request_mb={self.max_request_mb}",
+                            "set max_request_mb to a positive number of MiB")
         if self.slo_ms is not None and self.slo_ms <= 0:
             raise SpecError(f"job {self.name!r} has slo_ms={self.slo_ms}", "set slo_ms to a positive number or null")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -62,6 +63,17 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"exit code {code}"
     return f"exit code {code}"
+
+
+class _Pipe(Connection):
+    """multiprocessing's Connection with plain pickle: its ForkingPickler builds a pickler with a copied
+    dispatch table for every message, which cost more CPU than the rest of a small batch's round trip."""
+
+    def send(self, obj: Any) -> None:
+        self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+
+    def recv(self) -> Any:
+        return pickle.loads(self.recv_bytes())
 
 
 # ---------------------------------------------------------------- tensors through shared memory
@@ -117,11 +129,13 @@ class _Arena:
         """The arrays of `layout`: views (valid until the next write) or copies."""
         import numpy as np
 
-        if layout:
-            self.refresh()
         out = {}
         for name, dtype, shape, offset in layout:
-            view = np.ndarray(shape, np.dtype(dtype), buffer=self._map, offset=offset)
+            try:
+                view = np.ndarray(shape, np.dtype(dtype), buffer=self._map, offset=offset)
+            except TypeError:  # beyond the mapping: the other side grew the file
+                self.refresh()
+                view = np.ndarray(shape, np.dtype(dtype), buffer=self._map, offset=offset)
             out[name] = view.copy() if copy else view
         return out
 
@@ -163,7 +177,7 @@ def child_main(argv: list[str]) -> None:
 def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_path: str,
                  arena_fds: list[int] | None = None) -> None:
     """Body of the worker process, after pinning: open the model, warm up, serve batches from the parent."""
-    conn = Connection(fd)
+    conn = _Pipe(fd)
     arenas = [_Arena(f) for f in arena_fds] if arena_fds else None
     if problem:
         conn.send(("fatal", problem))
@@ -293,7 +307,7 @@ class InstanceWorker:
                 pass_fds=(child_sock.fileno(), *arena_fds), stdin=subprocess.DEVNULL)
         finally:
             child_sock.close()  # so a dead child gives EOF here
-        parent_conn = Connection(parent_sock.detach())
+        parent_conn = _Pipe(parent_sock.detach())
         self._proc, self._conn, self._unread_replies = proc, parent_conn, 0
         deadline = time.monotonic() + self.start_timeout_s
         msg = None

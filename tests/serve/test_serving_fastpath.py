@@ -115,8 +115,7 @@ def test_front_door_connections_have_nagle_off(worker):
         await batcher.close()
 
     def server_nodelay():
-        conns = list(door._server.server_state.connections)
-        socks = [c.transport.get_extra_info("socket") for c in conns if getattr(c, "transport", None)]
+        socks = [c.transport.get_extra_info("socket") for c in list(door.connections) if c.transport]
         return [s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in socks if s is not None]
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
