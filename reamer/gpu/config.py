@@ -60,7 +60,8 @@ class PoliciesConfig(_Strict):
     # Graceful eviction: SIGTERM, wait grace, terminate_client, wait, SIGKILL.
     eviction_grace_s: float = Field(10.0, ge=0)
     eviction_kill_after_s: float = Field(5.0, ge=0)
-    # Fatal client fault: stop offline clients, restart the daemon, report.
+    # Fatal client fault: stop offline clients, report. MPS takes new clients again once every client of
+    # the faulted server has exited; the daemon is restarted only if a server stays FAULT without clients.
     fault_handling: bool = True
     restart_daemon_on_fault: bool = True
 

@@ -52,6 +52,8 @@ COMPLEMENT_MIN_CHANGE_PCT = 5
 COMPLEMENT_WINDOW = 60
 # A daemon that failed to start is retried after this many seconds (not on every tick).
 DAEMON_RETRY_S = 30.0
+# After a fault's evictions, how long to wait for the MPS server to notice that evicted clients exited.
+FAULT_SETTLE_S = 3.0
 
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -622,6 +624,11 @@ class GpuManager:
         statuses = {s.pid: s.status for s in rt.servers}
         report = policies.detect_fault(statuses, sample.xids if sample else ())
         server_reasons = {r for r in report.reasons if r.startswith("MPS server")}
+        cleared = sorted(rt.handled_server_faults - server_reasons)
+        if cleared:
+            self._event("gpu_fault_cleared", gpu=rt.info.uuid,
+                        message=f"GPU {rt.info.index}: no longer FAULT ({'; '.join(cleared)}): its clients have "
+                                "exited and MPS accepts new clients again")
         rt.handled_server_faults &= server_reasons  # forget servers that have recovered or gone
         new = [r for r in report.reasons if r not in rt.handled_server_faults]
         if not new or rt.fault_handling:
@@ -631,9 +638,7 @@ class GpuManager:
         rt.last_fault = ", ".join(new)
         self._event("gpu_fault", gpu=rt.info.uuid,
                     message=f"GPU {rt.info.index}: fatal fault ({rt.last_fault}); MPS refuses new clients until "
-                            "its clients exit: stopping offline clients"
-                            + (" and restarting the MPS daemon" if self.config.policies.restart_daemon_on_fault
-                               else ""))
+                            "every client of the faulted server has exited: stopping offline clients")
         offline = self._offline_jobs(rt)
         for job in offline:
             job.state = "evicting"
@@ -645,23 +650,63 @@ class GpuManager:
     def _recover(self, rt: _GpuRuntime, offline: list[GpuJob]) -> None:
         for job in offline:
             self._evict_now(job, f"GPU fault ({rt.last_fault})")
+        # Seen on an H100 (driver 580): every client of the faulted server gets the sticky error, the server
+        # stays FAULT while any of them is connected and turns ACTIVE again (same pid) once the last one has
+        # exited. `quit` would block until then, so the daemon is restarted only for a server that is
+        # still FAULT with no clients left.
+        if rt.daemon is not None and self._control:
+            self._settle_after_exits(rt.daemon)
         with self._lock:
+            stopped = f"{len(offline)} offline job(s) stopped after fault ({rt.last_fault})"
             try:
-                if self.config.policies.restart_daemon_on_fault and rt.daemon is not None and self._control:
+                faulted: list[ServerInfo] = []
+                if rt.daemon is not None and self._control:
+                    rt.servers = rt.daemon.servers()
+                    faulted = [s for s in rt.servers if "FAULT" in s.status.upper()]
+                left = sorted({c for s in faulted for c in s.clients})
+                if left:
+                    owners = sorted(j.name for j in self._jobs.values() if set(j.pids) & set(left))
+                    self._event("gpu_fault_handled", gpu=rt.info.uuid,
+                                message=f"GPU {rt.info.index}: {stopped}; MPS server "
+                                        f"{', '.join(str(s.pid) for s in faulted)} stays FAULT until its clients "
+                                        f"{', '.join(map(str, left))}"
+                                        + (f" (jobs {', '.join(owners)})" if owners else "")
+                                        + " exit: their CUDA contexts hold the fault, so restart them")
+                elif faulted and self.config.policies.restart_daemon_on_fault:
                     rt.daemon.stop()
                     rt.daemon.start(self.config.default_active_thread_percentage)
                     rt.servers = rt.daemon.servers()
                     self._event("gpu_fault_recovered", gpu=rt.info.uuid,
-                                message=f"GPU {rt.info.index}: MPS daemon restarted after fault ({rt.last_fault}); "
-                                        f"{len(offline)} offline job(s) stopped")
+                                message=f"GPU {rt.info.index}: {stopped}; the MPS server stayed FAULT without "
+                                        "clients: MPS daemon restarted")
+                elif not faulted and "MPS server" in rt.last_fault:
+                    self._event("gpu_fault_recovered", gpu=rt.info.uuid,
+                                message=f"GPU {rt.info.index}: {stopped}; its clients have exited and the MPS "
+                                        "server is ACTIVE again")
                 else:
-                    self._event("gpu_fault_handled", gpu=rt.info.uuid,
-                                message=f"GPU {rt.info.index}: {len(offline)} offline job(s) stopped after fault")
+                    self._event("gpu_fault_handled", gpu=rt.info.uuid, message=f"GPU {rt.info.index}: {stopped}")
+                # Reported here: the next tick must not announce these as cleared again.
+                rt.handled_server_faults &= {f"MPS server {s.pid} is FAULT" for s in rt.servers
+                                             if "FAULT" in s.status.upper()}
             except GpuError as exc:
                 rt.daemon_error = str(exc)
                 self._event("gpu_fault_recovery_failed", gpu=rt.info.uuid, message=str(exc))
             finally:
                 rt.fault_handling = False
+
+    @staticmethod
+    def _settle_after_exits(daemon: MpsDaemon) -> None:
+        """Wait (up to FAULT_SETTLE_S) until a faulted server no longer lists clients that have exited:
+        MPS notices an exit a moment after it happens."""
+        deadline = time.monotonic() + FAULT_SETTLE_S
+        while time.monotonic() < deadline:
+            try:
+                faulted = [s for s in daemon.servers() if "FAULT" in s.status.upper()]
+            except GpuError:
+                return
+            if not any(not process_alive(c) for s in faulted for c in s.clients):
+                return
+            time.sleep(0.1)
 
     # ---------------------------------------------------------------- eviction
 
@@ -679,11 +724,13 @@ class GpuManager:
         with self._lock:
             rt = self._gpus.get(job.gpu_uuid)
             daemon = rt.daemon if rt is not None and self._control else None
-            server_pid = None
+            server = None
             if rt is not None:
-                server_pid = next((s.pid for s in rt.servers if set(s.clients) & set(job.pids)), None)
+                server = next((s for s in rt.servers if set(s.clients) & set(job.pids)), None)
             pol = self.config.policies
-            steps = policies.eviction_plan(job.pids, server_pid, pol.eviction_grace_s, pol.eviction_kill_after_s)
+            # terminate_client only for the server's clients (a job may list non-CUDA processes too).
+            steps = policies.eviction_plan(job.pids, server.pid if server else None, pol.eviction_grace_s,
+                                           pol.eviction_kill_after_s, server.clients if server else None)
             job.state = "evicting"
         # Outside the lock: this waits for processes to exit.
         result = execute_eviction(steps, daemon.terminate_client if daemon else None)

@@ -5,10 +5,16 @@ and the daemon runs with CUDA_VISIBLE_DEVICES=<uuid>, so its server sees exactly
 0 inside MPS: pinned-memory limits for it use device 0). Commands are lines on the control binary's
 stdin, as `echo CMD | nvidia-cuda-mps-control` does. Server-level limits (set_active_thread_percentage,
 set_device_pinned_mem_limit) and defaults apply only to clients that connect afterwards.
+
+What the real binary does (driver 580.159.04 on an H100, README "verified on real hardware"): it exits 0
+when it refuses a command and says why on stdout ("Server 123 not found", 'Unknown command "x"'); it
+ignores an out-of-range value without a word (the setters echo the value in force); `quit` with clients
+connected does not return until they have exited, and the daemon answers no other command meanwhile.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -20,6 +26,8 @@ from reamer.gpu.errors import MpsError, NoGpuDriver
 PID_FILE = "nvidia-cuda-mps-control.pid"
 # MPS puts Unix sockets in the pipe directory; sun_path holds 107 bytes, and it adds its own names.
 MAX_PIPE_DIR_LEN = 80
+# Refusals the control binary prints on stdout with exit status 0.
+REFUSAL = re.compile(r"^(Server \d+ not found|Unknown command)", re.MULTILINE)
 
 
 def find_control_binary(path: str) -> str | None:
@@ -138,10 +146,17 @@ class MpsDaemon:
         return pid
 
     def stop(self, timeout_s: float | None = None) -> bool:
-        """`quit`, then wait for the daemon to exit. Returns False if it was not running."""
+        """`quit`, then wait for the daemon to exit. Returns False if it was not running. Refuses while
+        its servers have clients: `quit` would block until they exit, and the daemon answers nothing meanwhile."""
         pid = self.pid()
         if pid is None:
             return False
+        clients = sorted({c for s in self.servers() for c in s.clients})
+        if clients:
+            raise MpsError(f"MPS control daemon {pid} for GPU {self.gpu_uuid} still has clients "
+                           f"{', '.join(map(str, clients))}: `quit` would wait for them to exit and the daemon "
+                           "would answer no command meanwhile", "stop those processes first (`reamer gpu status` "
+                           "lists each MPS server's clients), then retry")
         self.command("quit")
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         while self.pid() is not None:
@@ -156,7 +171,7 @@ class MpsDaemon:
     def command(self, line: str) -> str:
         """Send one command line; returns stdout. Raises MpsError if the daemon refuses or is absent."""
         done = self._run([], line.strip() + "\n")
-        if done.returncode != 0:
+        if done.returncode != 0 or REFUSAL.search(done.stdout):
             raise MpsError(f"MPS command {line.strip()!r} failed for GPU {self.gpu_uuid}: "
                            f"{(done.stderr or done.stdout).strip() or 'exit ' + str(done.returncode)}",
                            "check that the daemon runs (reamer gpu status) and the arguments are valid")
@@ -181,14 +196,24 @@ class MpsDaemon:
     def get_default_active_thread_percentage(self) -> float:
         return self.check_health()
 
+    def _set_percentage(self, line: str, pct: int) -> None:
+        out = self.command(line).strip()
+        try:
+            now = float(out.split()[-1])
+        except (ValueError, IndexError):
+            now = None
+        if now != float(pct):
+            raise MpsError(f"MPS command {line!r} was not applied for GPU {self.gpu_uuid}: the daemon answered {out!r}",
+                           "use a whole percentage from 1 to 100")
+
     def set_default_active_thread_percentage(self, pct: int) -> None:
-        self.command(f"set_default_active_thread_percentage {int(pct)}")
+        self._set_percentage(f"set_default_active_thread_percentage {int(pct)}", pct)
 
     def set_default_device_pinned_mem_limit(self, device: int, mb: int) -> None:
         self.command(f"set_default_device_pinned_mem_limit {int(device)} {format_mem_limit(mb)}")
 
     def set_active_thread_percentage(self, server_pid: int, pct: int) -> None:
-        self.command(f"set_active_thread_percentage {int(server_pid)} {int(pct)}")
+        self._set_percentage(f"set_active_thread_percentage {int(server_pid)} {int(pct)}", pct)
 
     def set_device_pinned_mem_limit(self, server_pid: int, device: int, mb: int) -> None:
         self.command(f"set_device_pinned_mem_limit {int(server_pid)} {int(device)} {format_mem_limit(mb)}")
@@ -213,7 +238,15 @@ class MpsDaemon:
         return out
 
     def terminate_client(self, server_pid: int, client_pid: int) -> None:
-        self.command(f"terminate_client {int(server_pid)} {int(client_pid)}")
+        """Ask the server to end the client's GPU work (its CUDA calls then fail with
+        cudaErrorMpsClientTerminated); the process itself runs on and stays listed until it exits. The
+        daemon answers "0" when done. Send it once per client: a second one blocks the daemon until the
+        client exits."""
+        line = f"terminate_client {int(server_pid)} {int(client_pid)}"
+        out = self.command(line).strip()
+        if out.split()[-1:] != ["0"]:
+            raise MpsError(f"MPS command {line!r} failed for GPU {self.gpu_uuid}: {out or 'no answer'}",
+                           f"check that {client_pid} is a client of MPS server {server_pid} (reamer gpu status)")
 
     def log_tail(self, lines: int = 20) -> list[str]:
         try:

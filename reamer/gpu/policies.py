@@ -215,16 +215,18 @@ class EvictionStep:
 
 
 def eviction_plan(pids: Iterable[int], server_pid: int | None, grace_s: float,
-                  kill_after_s: float) -> list[EvictionStep]:
-    """SIGTERM every pid, wait `grace_s`, terminate its MPS client work (when the server is known),
-    wait `kill_after_s`, SIGKILL. An executor skips steps for processes that are already gone."""
+                  kill_after_s: float, clients: Iterable[int] | None = None) -> list[EvictionStep]:
+    """SIGTERM every pid, wait `grace_s`, terminate its MPS client work (when the server is known; only
+    for pids in `clients`, the server's clients, when given), wait `kill_after_s`, SIGKILL. An executor
+    skips steps for processes that are already gone."""
     pids = sorted(set(int(p) for p in pids))
     if not pids:
         return []
     steps = [EvictionStep("signal", p, int(signal.SIGTERM)) for p in pids]
     steps.append(EvictionStep("wait", seconds=grace_s))
-    if server_pid is not None:
-        steps += [EvictionStep("terminate_client", p, server_pid=server_pid) for p in pids]
+    targets = pids if clients is None else [p for p in pids if p in set(int(c) for c in clients)]
+    if server_pid is not None and targets:
+        steps += [EvictionStep("terminate_client", p, server_pid=server_pid) for p in targets]
         steps.append(EvictionStep("wait", seconds=kill_after_s))
     steps += [EvictionStep("signal", p, int(signal.SIGKILL)) for p in pids]
     return steps

@@ -274,7 +274,10 @@ def test_process_started_before_limits_were_issued_is_not_claimed(make_manager, 
 # ------------------------------------------------------------------ policies in the manager
 
 
-def test_fault_evicts_offline_restarts_daemon_and_reports(make_manager, procs):
+def test_fault_evicts_offline_and_waits_for_the_remaining_clients(make_manager, procs):
+    """As on a real H100: every client of the faulted server holds the fault, the server stays FAULT
+    until they have all exited and is then ACTIVE again by itself. `quit` would block while clients
+    are connected, so the daemon is not restarted."""
     m = make_manager()
     m.register_job("serve", "0", 40, kind="inference")
     m.register_job("train", "0", 50, kind="training")
@@ -284,31 +287,60 @@ def test_fault_evicts_offline_restarts_daemon_and_reports(make_manager, procs):
     c = connect(m, "serve", online)
     connect(m, "train", offline)
     pd = pipe_dir(m, U0)
-    old_daemon = fake_mps.daemon_pid(pd)
+    daemon = fake_mps.daemon_pid(pd)
     m.tick()
     assert not any(e["kind"] == "gpu_fault" for e in m.events())
     fake_mps.fault(pd, c["server_pid"])
     assert fake_mps.connect_client(pd, 99999)["error"] == 807  # MPS refuses new clients now
     m.tick()
-    wait_for(lambda: any(e["kind"] == "gpu_fault_recovered" for e in m.events()), timeout=60,
-             what="fault recovery")
+    wait_for(lambda: any(e["kind"] == "gpu_fault_handled" for e in m.events()), timeout=60,
+             what="fault handling")
     assert offline.poll() == -signal.SIGKILL  # it ignored SIGTERM
     assert online.poll() is None  # online work is not evicted
     assert m.job("train")["state"] == "evicted"
     kinds = [e["kind"] for e in m.events()]
-    assert kinds.index("gpu_fault") < kinds.index("gpu_job_evicted") < kinds.index("gpu_fault_recovered")
-    fault_ev = next(e for e in m.events() if e["kind"] == "gpu_fault")
-    assert "FAULT" in fault_ev["message"]
-    new_daemon = fake_mps.daemon_pid(pd)
-    assert new_daemon is not None and new_daemon != old_daemon
+    assert kinds.index("gpu_fault") < kinds.index("gpu_job_evicted") < kinds.index("gpu_fault_handled")
+    assert "FAULT" in next(e for e in m.events() if e["kind"] == "gpu_fault")["message"]
+    handled = next(e for e in m.events() if e["kind"] == "gpu_fault_handled")["message"]
+    assert str(online.pid) in handled and "serve" in handled and str(offline.pid) not in handled
+    assert fake_mps.daemon_pid(pd) == daemon  # not restarted
     # The server stays in FAULT until the online client exits: that is not a new fault.
     m.tick()
     m.tick()
     assert [e["kind"] for e in m.events()].count("gpu_fault") == 1
-    assert fake_mps.daemon_pid(pd) == new_daemon
+    [server] = m.status()["gpus"][0]["servers"]
+    assert server["status"] == "FAULT" and server["clients"] == [online.pid]
     # Graceful: it ignored SIGTERM, so its MPS client work was terminated before the SIGKILL.
     assert [c["server_pid"], offline.pid] in fake_mps.read_state(pd)["terminated_clients"]
     assert online.pid not in [x[1] for x in fake_mps.read_state(pd)["terminated_clients"]]
+    # The online job's process exits: the same server is ACTIVE again, and that is reported once.
+    online.kill()
+    online.wait(timeout=30)
+    m.tick()
+    m.tick()
+    assert [e["kind"] for e in m.events()].count("gpu_fault_cleared") == 1
+    assert m.status()["gpus"][0]["servers"] == [{"pid": c["server_pid"], "status": "ACTIVE", "clients": []}]
+    assert "error" not in fake_mps.connect_client(pd, 99998, process=False)
+
+
+def test_server_faulted_without_clients_gets_the_daemon_restarted(make_manager, procs):
+    m = make_manager()
+    m.register_job("train", "0", 50, kind="training")
+    offline = procs()
+    m.update_job("train", pids=[offline.pid])
+    c = connect(m, "train", offline)
+    pd = pipe_dir(m, U0)
+    daemon = fake_mps.daemon_pid(pd)
+    m.tick()
+    fake_mps.fault(pd, c["server_pid"], sticky=True)
+    m.tick()
+    wait_for(lambda: any(e["kind"] == "gpu_fault_recovered" for e in m.events()), timeout=60,
+             what="fault recovery")
+    assert offline.poll() is not None
+    assert "restarted" in next(e for e in m.events() if e["kind"] == "gpu_fault_recovered")["message"]
+    assert fake_mps.daemon_pid(pd) not in (None, daemon)
+    m.tick()
+    assert "gpu_fault_cleared" not in [e["kind"] for e in m.events()]
 
 
 def test_fatal_xid_triggers_fault_handling(make_manager, fake, procs):

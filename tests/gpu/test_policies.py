@@ -173,6 +173,10 @@ def test_eviction_plan_order():
     assert [s.action for s in no_server] == ["signal", "wait", "signal"]
     assert no_server[-1].signal == signal.SIGKILL
     assert eviction_plan([], 1, 1, 1) == []
+    # terminate_client only for the server's clients (a job may list a non-CUDA launcher too)
+    only = eviction_plan([3, 7], 100, 5, 2, clients=[7, 9])
+    assert [s.describe() for s in only if s.action == "terminate_client"] == ["terminate_client 100 7"]
+    assert [s.action for s in eviction_plan([3], 100, 5, 2, clients=[])] == ["signal", "wait", "signal"]
 
 
 # ------------------------------------------------------------------ latency model (Mudi)
