@@ -277,13 +277,73 @@ def online_direct(model: str, backend: str, cpu: int, n: int, gap_s: float, work
     return json.loads(out.read_text())
 
 
+class _PlainClient:
+    """The least a client can do: one keep-alive socket, the request's bytes encoded once, the answer
+    read by its Content-Length. What it measures is the server's time plus the loopback transfer."""
+
+    def __init__(self, port: int, path: str, body: bytes, headers: dict[str, str]) -> None:
+        import socket
+
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}Content-Length: {len(body)}\r\n\r\n"
+                        ).encode() + body
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def post(self) -> tuple[int, dict[str, str]]:
+        """Send the request; (status, headers) of the answer, after its whole body arrived."""
+        self.sock.sendall(self.request)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                raise RuntimeError("front door closed the connection")
+            buf += chunk
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        need = int(headers.get("content-length", "0")) - len(rest)
+        while need > 0:
+            chunk = self.sock.recv(max(need, 1 << 16))
+            if not chunk:
+                raise RuntimeError("front door closed the connection")
+            need -= len(chunk)
+        return int(lines[0].split()[1]), headers
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _raw_request(name: str, inputs: dict[str, np.ndarray], output_names: list[str]) -> tuple[bytes, dict[str, str]]:
+    """A v2 infer request with binary tensors both ways, encoded once."""
+    from reamer.serve.tensors import numpy_to_v2
+
+    head = json.dumps({
+        "inputs": [{"name": k, "shape": list(a.shape), "datatype": numpy_to_v2(a.dtype),
+                    "parameters": {"binary_data_size": a.nbytes}} for k, a in inputs.items()],
+        "outputs": [{"name": o, "parameters": {"binary_data": True}} for o in output_names]}).encode()
+    body = head + b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values())
+    return body, {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))}
+
+
+def _server_timing(header: str | None) -> dict[str, float]:
+    out = {}
+    for part in (header or "").split(","):
+        key, _, dur = part.strip().partition(";dur=")
+        if dur:
+            out[key] = float(dur)
+    return out
+
+
 def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, frontdoor_cpu: int, n: int,
                   gap_s: float, work: Path, inputs: dict[str, np.ndarray]) -> dict[str, list[float]]:
     """Latency through the front door and of a direct call, interleaved request by request.
 
-    The direct process is pinned like the instance (same cpus, threads) and waits on a pipe, as the
-    instance waits on its own; the two take turns (order alternating), one request at a time after a
-    random think time, so load from other users of the machine hits both alike and nothing queues.
+    Three ways take turns (order rotating), one request at a time after a random think time, so load
+    from other users of the machine hits all alike and nothing queues: the front door with a plain
+    HTTP client (one socket, the request's bytes encoded once), the front door with tritonclient (the standard
+    client, which encodes every request), and a direct call: a process pinned like the instance (same
+    cpus, threads) that waits on a pipe, as the instance waits on its own.
     """
     import tritonclient.http as triton
 
@@ -305,7 +365,21 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
             t = triton.InferInput(key, list(arr.shape), {np.float32: "FP32", np.int64: "INT64"}[arr.dtype.type])
             t.set_data_from_numpy(arr, binary_data=True)
             tensors.append(t)
-        outputs = [triton.InferRequestedOutput(o, binary_data=True) for o in _output_names(client, name)]
+        names = _output_names(client, name)
+        outputs = [triton.InferRequestedOutput(o, binary_data=True) for o in names]
+        raw_body, raw_headers = _raw_request(name, inputs, names)
+        plain = _PlainClient(st.port, f"/v2/models/{name}/infer", raw_body, raw_headers)
+        in_job: list[float] = []
+
+        def via_http() -> float:
+            t0 = time.perf_counter()
+            status, headers = plain.post()
+            took = (time.perf_counter() - t0) * 1e3
+            if status != 200:
+                raise RuntimeError(f"front door answered {status}")
+            timing = _server_timing(headers.get("server-timing"))
+            in_job.append(timing["total"] - timing["compute"])
+            return took
 
         def via_door() -> float:
             t0 = time.perf_counter()
@@ -319,17 +393,21 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
             direct.stdout.readline()
             return (time.perf_counter() - t0) * 1e3
 
+        ways = {"http": via_http, "frontdoor": via_door, "direct": via_direct}
         for _ in range(3):
-            via_door()
-            via_direct()
+            for way in ways.values():
+                way()
+        in_job.clear()
         rng = np.random.default_rng(2)
-        door, bare = [], []
+        lat: dict[str, list[float]] = {k: [] for k in ways}
+        order = list(ways)
         for i in range(n):
-            for which in ((via_door, via_direct) if i % 2 == 0 else (via_direct, via_door)):
+            for key in order[i % 3:] + order[:i % 3]:
                 time.sleep(rng.exponential(gap_s))
-                (door if which is via_door else bare).append(which())
+                lat[key].append(ways[key]())
         client.close()
-        return {"frontdoor": door, "direct": bare}
+        plain.close()
+        return {**lat, "in_job": in_job}
     finally:
         os.sched_setaffinity(0, _ALL_CPUS)
         if direct.poll() is None:
@@ -430,7 +508,7 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
             n = settings.online_requests[family]
             inputs = _inputs_for(model, 1, 1)
             backend = settings.backends[0]
-            direct_t, door_t, paired_t = [], [], []
+            direct_t, door_t, paired_t, http_t, in_job_t = [], [], [], [], []
             # random think times (mean: one inference time, at least 20 ms) between single requests
             probe = online_direct(model, backend, inst_cpu, 3, 0.0, work)
             gap = max(0.02, statistics.median(probe) / 1000.0)
@@ -441,16 +519,24 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
                                     n, gap, wd, inputs)
                 direct_t.append(statistics.median(lat["direct"]))
                 door_t.append(statistics.median(lat["frontdoor"]))
+                http_t.append(statistics.median(lat["http"]))
+                in_job_t.append(statistics.median(lat["in_job"]))
                 paired_t.append(statistics.median([a - b for a, b in zip(lat["frontdoor"], lat["direct"])]))
             overheads = [d - x for d, x in zip(door_t, direct_t)]
+            http_overheads = [d - x for d, x in zip(http_t, direct_t)]
             results["online"][family] = {
+                "http_p50_ms": http_t, "http_overhead_ms": http_overheads,
+                "http_overhead_median_ms": statistics.median(http_overheads), "http_median_ms": statistics.median(http_t),
+                "in_job_overhead_ms": in_job_t, "in_job_overhead_median_ms": statistics.median(in_job_t),
                 "direct_p50_ms": direct_t, "frontdoor_p50_ms": door_t, "overhead_ms": overheads,
                 "overhead_median_ms": statistics.median(overheads), "direct_median_ms": statistics.median(direct_t),
                 "frontdoor_median_ms": statistics.median(door_t), "paired_diff_p50_ms": paired_t,
                 "paired_median_ms": statistics.median(paired_t), "gap_s": gap, "requests": n, "backend": backend,
                 "loadavg": os.getloadavg()}
-            print(f"online {family}: direct p50 {statistics.median(direct_t):.2f} ms, front door p50 "
-                  f"{statistics.median(door_t):.2f} ms, overhead {statistics.median(overheads):.2f} ms", flush=True)
+            print(f"online {family}: direct p50 {statistics.median(direct_t):.2f} ms; front door p50 "
+                  f"{statistics.median(http_t):.2f} ms plain HTTP (overhead {statistics.median(http_overheads):.2f} ms), "
+                  f"{statistics.median(door_t):.2f} ms tritonclient (overhead {statistics.median(overheads):.2f} ms); "
+                  f"in the job {statistics.median(in_job_t):.2f} ms besides compute", flush=True)
     results["uptime_after"] = _uptime()
     (out / "serving_overhead.json").write_text(json.dumps(results, indent=2))
     return results

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from reamer.host.errors import ReamerError
+from reamer.host.malloc import keep_large_buffers
 from reamer.host.sched import ThreadGone, set_affinity, threads_of
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus, SpecError, append_event, plan_reconcile
 from reamer.serve.worker import InstanceWorker, WorkerStartError
@@ -327,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m reamer.serve.job", description="Run one reamer inference job.")
     parser.add_argument("--spec", required=True, help="path of the job spec JSON")
     args = parser.parse_args(argv)
+    keep_large_buffers()  # request bodies and offline inputs: reuse heap memory, no page faults per buffer
     try:
         job = Job(args.spec)
     except (SpecError, OSError) as exc:
