@@ -51,6 +51,7 @@ class Settings:
     frontdoor_cpu: int
     instance_cpu: int
     offline: bool = True
+    online: bool = True
 
 
 @dataclass
@@ -505,6 +506,8 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
                 print(f"ov THROUGHPUT {family}: {hint.median:.2f}/s (streams {info.get('streams')}); reamer best {best}",
                       flush=True)
             # --- online: front door vs direct, same instance (1 core, 1 thread)
+            if not settings.online:
+                continue
             n = settings.online_requests[family]
             inputs = _inputs_for(model, 1, 1)
             backend = settings.backends[0]
@@ -641,6 +644,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-md", default=None, help="write the section into this RESULTS.md")
     p.add_argument("--no-ov-compare", action="store_true")
     p.add_argument("--online-only", action="store_true", help="measure only the front-door overhead")
+    p.add_argument("--offline-only", action="store_true", help="measure only the offline throughput")
+    p.add_argument("--offline-samples", type=int, default=None, help="samples per offline trial (default per model)")
+    p.add_argument("--online-requests", type=int, default=None, help="requests per online trial (default per model)")
+    p.add_argument("--layouts", default=None, help="comma-separated offline layouts (default 2x1:b1,1x2:b1)")
     p.add_argument("--render", default=None,
                    help="comma-separated serving_overhead.json files of earlier runs: merge them and write the "
                         "section without measuring")
@@ -670,11 +677,15 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick
     settings = Settings(
         models=models, trials=args.trials or (1 if quick else 3),
-        offline_samples={m: (16 if quick else {"bert-base": 16, "resnet50": 48}.get(m, 400)) for m in models},
-        online_requests={m: (15 if quick else {"bert-base": 20, "resnet50": 40}.get(m, 200)) for m in models},
-        offline_layouts={m: (["2x1:b1"] if quick else ["2x1:b1", "1x2:b1"]) for m in models},
+        offline_samples={m: args.offline_samples or (16 if quick else {"bert-base": 60, "resnet50": 240}.get(m, 400))
+                         for m in models},
+        online_requests={m: args.online_requests or (15 if quick else {"bert-base": 60, "resnet50": 150}.get(m, 200))
+                         for m in models},
+        offline_layouts={m: (args.layouts.split(",") if args.layouts else ["2x1:b1"] if quick else ["2x1:b1", "1x2:b1"])
+                         for m in models},
         backends=args.backends.split(","), ov_compare=not args.no_ov_compare,
-        frontdoor_cpu=_ALL_CPUS[0], instance_cpu=_ALL_CPUS[1], offline=not args.online_only)
+        frontdoor_cpu=_ALL_CPUS[0], instance_cpu=_ALL_CPUS[1], offline=not args.online_only,
+        online=not args.offline_only)
     command = "python bench/serving_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
     results = run(settings, Path(args.out), command.strip())
     body = markdown(results, command.strip())

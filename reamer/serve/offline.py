@@ -6,7 +6,8 @@ runner writes `<output_dir>/<stem>.npz` holding every model output, atomically (
 rename), so a crash leaves whole results or none. On start it skips inputs whose result exists
 and removes temp files a crashed run left behind: finished work is never repeated or lost.
 
-All instances pull files from one shared queue. A bad input file does not stop the others: it is
+All instances pull files from one shared queue. Each lane reads its next file while its instance
+computes the current one, so the instance does not wait for the disk or the decoding. A bad input file does not stop the others: it is
 recorded (`input_failed` event, with the file and the inputs the model expects) and the run ends
 as failed once everything else is done. A file that crashes a worker is retried on a fresh worker
 up to MAX_ATTEMPTS times.
@@ -14,13 +15,16 @@ up to MAX_ATTEMPTS times.
 from __future__ import annotations
 
 import io
+import math
 import os
 import queue
 import threading
 import time
+import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Union
 
 import numpy as np
 
@@ -85,6 +89,28 @@ def _describe(inputs: list[TensorInfo]) -> str:
     return ", ".join(f"{t.name} ({t.datatype} {list(t.shape)})" for t in inputs)
 
 
+def _npy_from_bytes(data: bytes) -> np.ndarray:
+    """An .npy file held in memory, as a (read-only) view of it."""
+    fmt = np.lib.format
+    buf = io.BytesIO(data)
+    version = fmt.read_magic(buf)
+    if version not in ((1, 0), (2, 0)):
+        return fmt.read_array(buf, allow_pickle=False)
+    shape, fortran, dtype = (fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0)(buf)
+    if dtype.hasobject:
+        raise ValueError("the array holds Python objects, which reamer does not load (allow_pickle is off)")
+    arr = np.frombuffer(data, dtype, count=math.prod(shape), offset=buf.tell())
+    return arr.reshape(shape, order="F" if fortran else "C")
+
+
+def read_npz(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file. About 4x faster than np.load for a 600 KB image, whose per-member
+    stream reads cost more CPU than the offline job's whole hand-off to an instance; the zip CRC is
+    still checked."""
+    with zipfile.ZipFile(path) as z:
+        return {name[:-4] if name.endswith(".npy") else name: _npy_from_bytes(z.read(name)) for name in z.namelist()}
+
+
 def load_inputs(path: Path, model_inputs: list[TensorInfo]) -> tuple[dict[str, np.ndarray], bool]:
     """Read one input file as model inputs with a batch axis; also says whether it held a single sample."""
     expected = _describe(model_inputs)
@@ -100,8 +126,7 @@ def load_inputs(path: Path, model_inputs: list[TensorInfo]) -> tuple[dict[str, n
                 raise bad("a .npy file holds one array but the model has several inputs")
             arrays = {model_inputs[0].name: np.load(path, allow_pickle=False)}
         else:
-            with np.load(path, allow_pickle=False) as npz:
-                arrays = {k: npz[k] for k in npz.files}
+            arrays = read_npz(path)
     except OfflineInputError:
         raise
     except Exception as exc:  # noqa: BLE001 - numpy raises many kinds for broken files
@@ -131,6 +156,16 @@ def load_inputs(path: Path, model_inputs: list[TensorInfo]) -> tuple[dict[str, n
     if len(singles) > 1 or len({a.shape[0] for a in out.values()}) > 1:
         raise bad("its arrays disagree on the batch size")
     return out, singles == {True}
+
+
+_Loaded = Union[tuple[dict[str, np.ndarray], bool], OfflineInputError]  # a read input file, or why not
+
+
+def _load(item: _Item, model_inputs: list[TensorInfo]) -> _Loaded:
+    try:
+        return load_inputs(item.path, model_inputs)
+    except OfflineInputError as exc:
+        return exc
 
 
 class OfflineRunner:
@@ -222,18 +257,36 @@ class OfflineRunner:
 
     def _serve(self, lane: _Lane) -> None:
         worker = lane.worker
-        while not lane.retiring.is_set() and not self._stop.is_set() and not self.all_done.is_set():
-            if not worker.ensure_running():
-                if worker.stopping:
-                    return
-                lane.retiring.wait(0.25)
-                continue
+        next_up: tuple[_Item, _Loaded] | None = None  # read while the instance computed the last file
+
+        def read_next() -> None:
+            nonlocal next_up
             try:
-                item = self._queue.get(timeout=0.2)
+                item = self._queue.get_nowait()
             except queue.Empty:
-                continue
-            self._process(lane, item)
-        self._flush(lane)
+                return
+            next_up = (item, _load(item, worker.inputs))
+
+        try:
+            while not lane.retiring.is_set() and not self._stop.is_set() and not self.all_done.is_set():
+                if not worker.ensure_running():
+                    if worker.stopping:
+                        return
+                    lane.retiring.wait(0.25)
+                    continue
+                if next_up is None:
+                    try:
+                        item = self._queue.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                    loaded = _load(item, worker.inputs)
+                else:
+                    (item, loaded), next_up = next_up, None
+                self._process(lane, item, loaded, read_next)
+        finally:
+            if next_up is not None:
+                self._queue.put(next_up[0])  # not started: another lane (or the next run) takes it
+            self._flush(lane)
 
     @staticmethod
     def _flush(lane: _Lane) -> None:
@@ -241,19 +294,20 @@ class OfflineRunner:
             lane.writing.result()
             lane.writing = None
 
-    def _process(self, lane: _Lane, item: _Item) -> None:
+    def _process(self, lane: _Lane, item: _Item, loaded: _Loaded, read_next: Callable[[], None]) -> None:
         worker = lane.worker
-        try:
-            inputs, single = load_inputs(item.path, worker.inputs)
-        except OfflineInputError as exc:
-            self._fail(item, str(exc))
+        if isinstance(loaded, OfflineInputError):
+            self._fail(item, str(loaded))
             return
+        inputs, single = loaded
         n = next(iter(inputs.values())).shape[0]
         step = worker.spec.max_batch
         parts: list[dict[str, np.ndarray]] = []
         try:
             for start in range(0, n, step):
-                parts.append(worker.run({k: v[start:start + step] for k, v in inputs.items()}))
+                last = start + step >= n
+                parts.append(worker.run({k: v[start:start + step] for k, v in inputs.items()},
+                                        meanwhile=read_next if last else None))
         except InstanceCrashed as exc:
             item.attempts += 1
             if item.attempts >= MAX_ATTEMPTS:

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from reamer.host.errors import ReamerError
 from reamer.serve.spec import InstanceSpec, append_event
@@ -338,13 +338,24 @@ class InstanceWorker:
         self.last_error = ""
         self.ready = True
 
-    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one batch on this instance. InstanceCrashed if the worker dies; InferenceFailed on a backend error."""
+    def run(self, inputs: dict[str, np.ndarray],
+            meanwhile: Callable[[], None] | None = None) -> dict[str, np.ndarray]:
+        """Run one batch on this instance. InstanceCrashed if the worker dies; InferenceFailed on a backend error.
+
+        `meanwhile` runs in the caller's thread while the instance computes (the offline runner reads
+        its next file there).
+        """
         with self._lock:
             samples, t0 = self._begin(inputs)
             try:
                 try:
                     self._send(inputs)
+                    if meanwhile is not None:
+                        try:
+                            meanwhile()
+                        except BaseException:
+                            self._unread_replies += 1  # the worker still answers; the next send skips it
+                            raise
                     reply = self._conn.recv()
                 except (EOFError, OSError):
                     raise self._crashed() from None

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import psutil
@@ -11,7 +12,7 @@ import pytest
 
 from reamer.serve.backends import open_backend
 from reamer.serve.models import build_model
-from reamer.serve.offline import OfflineInputError, OfflineRunner, list_inputs, load_inputs
+from reamer.serve.offline import OfflineInputError, OfflineRunner, list_inputs, load_inputs, read_npz
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus, is_temp_file, read_events
 from reamer.serve.tensors import TensorInfo
 from reamer.serve.worker import InstanceWorker
@@ -249,3 +250,31 @@ def test_sighup_adds_an_instance_to_a_running_offline_job(models, tmp_path):
     (reconf,) = [e for e in events if e["kind"] == "reconfigured"]
     assert (reconf["kept"], reconf["started"], reconf["stopped"]) == (1, 1, 0)
     assert _status(tmp_path).instances_total == 2
+
+
+def test_read_npz_matches_numpy_for_stored_compressed_and_fortran_arrays(tmp_path):
+    rng = np.random.default_rng(3)
+    arrays = {"a": rng.standard_normal((2, 3, 5)).astype(np.float32), "b": np.asfortranarray(rng.integers(0, 9, (4, 6))),
+              "c": np.array(7.5), "d": np.zeros((0, 3), np.float16)}
+    np.savez(tmp_path / "s.npz", **arrays)
+    np.savez_compressed(tmp_path / "c.npz", **arrays)
+    for name in ("s.npz", "c.npz"):
+        got = read_npz(tmp_path / name)
+        assert sorted(got) == sorted(arrays)
+        for k, v in arrays.items():
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape
+            np.testing.assert_array_equal(got[k], v)
+
+
+def test_read_npz_refuses_object_arrays_and_corrupt_data(tmp_path):
+    np.savez(tmp_path / "o.npz", x=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(ValueError, match="objects"):
+        read_npz(tmp_path / "o.npz")
+    np.savez(tmp_path / "bad.npz", x=np.arange(1000, dtype=np.int64))
+    raw = bytearray((tmp_path / "bad.npz").read_bytes())
+    raw[400] ^= 0xFF  # inside the array data: the zip CRC no longer matches
+    (tmp_path / "bad.npz").write_bytes(bytes(raw))
+    with pytest.raises(zipfile.BadZipFile):
+        read_npz(tmp_path / "bad.npz")
+    with pytest.raises(OfflineInputError, match="cannot be read"):
+        load_inputs(tmp_path / "bad.npz", [TensorInfo("x", "INT64", [-1])])
