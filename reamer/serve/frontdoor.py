@@ -59,13 +59,46 @@ class DecodedRequest:
     binary_default: bool
 
 
+@dataclass(frozen=True)
+class _BinaryInput:
+    name: str
+    wire_dtype: np.dtype  # little-endian, as the bytes arrive
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """A validated JSON header whose inputs are all binary: requests with the byte-identical header
+    (a client sending one shape over and over) skip the JSON parse and the checks."""
+
+    inputs: tuple[_BinaryInput, ...]
+    blob_size: int
+    outputs: list[tuple[str, bool]] | None
+    binary_default: bool
+
+    def decode(self, blob: memoryview) -> DecodedRequest:
+        inputs = {b.name: np.frombuffer(blob, b.wire_dtype, count=b.size // b.wire_dtype.itemsize, offset=b.offset)
+                  .astype(b.dtype, copy=False).reshape(b.shape) for b in self.inputs}
+        return DecodedRequest(id=None, inputs=inputs, outputs=self.outputs, binary_default=self.binary_default)
+
+
+PLAN_CACHE_SIZE = 256
+
+
 def _describe(tensors: list[TensorInfo]) -> str:
     return ", ".join(f"{t.name} ({t.datatype} {list(t.shape)})" for t in tensors)
 
 
 def decode_request(body: bytes, header_length: int | None, model_inputs: list[TensorInfo],
-                   model_outputs: list[TensorInfo]) -> DecodedRequest:
-    """Parse and validate a v2 infer request (JSON or binary extension) against the model's signature."""
+                   model_outputs: list[TensorInfo], plans: dict[bytes, RequestPlan] | None = None) -> DecodedRequest:
+    """Parse and validate a v2 infer request (JSON or binary extension) against the model's signature.
+
+    `plans`, when given, caches the checked headers of all-binary requests (see RequestPlan); it
+    belongs to one model signature.
+    """
     if header_length is not None:
         if header_length < 0 or header_length > len(body):
             raise BadRequest(f"{HEADER_LENGTH} is {header_length} but the body has {len(body)} bytes",
@@ -73,6 +106,10 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
         head, blob = body[:header_length], memoryview(body)[header_length:]
     else:
         head, blob = body, memoryview(b"")
+    if plans is not None:
+        plan = plans.get(head)
+        if plan is not None and plan.blob_size == len(blob):
+            return plan.decode(blob)
     try:
         req = json.loads(head)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -82,6 +119,7 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
         raise BadRequest('request has no "inputs" list', 'send {"inputs": [{"name", "shape", "datatype", "data"}]}')
     by_name = {t.name: t for t in model_inputs}
     inputs: dict[str, np.ndarray] = {}
+    binary: list[_BinaryInput] = []
     offset = 0
     for item in req["inputs"]:
         if not isinstance(item, dict) or "name" not in item:
@@ -122,6 +160,7 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
                                  "append every binary input after the JSON header, in input order")
             # a view of the body (it lives as long as the request); a copy only to swap the byte order
             arr = np.frombuffer(blob[offset:offset + size], dtype=dtype.newbyteorder("<")).astype(dtype, copy=False)
+            binary.append(_BinaryInput(name, dtype.newbyteorder("<"), dtype, tuple(shape), offset, size))
             offset += size
         else:
             if "data" not in item:
@@ -161,6 +200,10 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
             oparams = out.get("parameters") or {}
             outputs.append((oname, bool(oparams.get("binary_data", binary_default))))
     req_id = req.get("id")
+    if plans is not None and req_id is None and len(binary) == len(inputs):
+        if len(plans) >= PLAN_CACHE_SIZE:
+            plans.clear()
+        plans[bytes(head)] = RequestPlan(tuple(binary), len(blob), outputs, binary_default)
     return DecodedRequest(id=str(req_id) if req_id is not None else None, inputs=inputs,
                           outputs=outputs, binary_default=binary_default)
 
@@ -220,6 +263,8 @@ class V2App:
         self.model_name = model_name
         self.batcher = batcher
         self.platform = platform
+        self._plans: dict[bytes, RequestPlan] = {}
+        self._plans_for: object = None  # the signature the cached plans were checked against
 
     def _signature(self) -> tuple[list[TensorInfo], list[TensorInfo]] | None:
         for w in self.batcher.workers:
@@ -279,8 +324,10 @@ class V2App:
             header_length = int(raw_len) if raw_len is not None else None
         except ValueError:
             return _error(400, f"{HEADER_LENGTH} {raw_len!r} is not a number")
+        if self._plans_for != sig:  # a restarted instance may bring another model
+            self._plans, self._plans_for = {}, sig
         try:
-            decoded = decode_request(body, header_length, *sig)
+            decoded = decode_request(body, header_length, *sig, plans=self._plans)
         except BadRequest as exc:
             return _error(400, str(exc))
         timing = RequestTiming()

@@ -218,3 +218,113 @@ def test_worker_killed_mid_request_gives_clear_503_then_recovers(served):
     wait_for(lambda: w.ready and w.pid != old, timeout=60, what="worker restart")
     assert httpx.get(f"http://{served.url}/v2/health/ready").status_code == 200
     assert httpx.post(url, json=body, timeout=60).status_code == 200
+
+
+def test_a_repeated_binary_header_is_decoded_from_the_plan_cache_with_the_same_result():
+    from reamer.serve.frontdoor import decode_request
+    from reamer.serve.tensors import TensorInfo
+
+    ins = [TensorInfo("x", "FP32", [-1, 8]), TensorInfo("ids", "INT64", [-1, 4])]
+    outs = [TensorInfo("scores", "FP32", [-1, 3])]
+    feeds = _inputs(2)
+    head = json.dumps({"inputs": [
+        {"name": "x", "shape": [2, 8], "datatype": "FP32", "parameters": {"binary_data_size": 64}},
+        {"name": "ids", "shape": [2, 4], "datatype": "INT64", "parameters": {"binary_data_size": 64}}],
+        "outputs": [{"name": "scores", "parameters": {"binary_data": True}}]}).encode()
+    plans = {}
+    first = decode_request(head + feeds["x"].tobytes() + feeds["ids"].tobytes(), len(head), ins, outs, plans)
+    assert list(plans) == [head]
+    other = _inputs(2, seed=5)
+    again = decode_request(head + other["x"].tobytes() + other["ids"].tobytes(), len(head), ins, outs, plans)
+    for name in feeds:
+        np.testing.assert_array_equal(first.inputs[name], feeds[name])
+        np.testing.assert_array_equal(again.inputs[name], other[name])
+        assert again.inputs[name].dtype == feeds[name].dtype and again.inputs[name].shape == feeds[name].shape
+    assert again.outputs == first.outputs == [("scores", True)]
+    # a body of the wrong length behind a cached header still gets the precise error
+    with pytest.raises(Exception, match="binary bytes that no input claims"):
+        decode_request(head + other["x"].tobytes() + other["ids"].tobytes() + b"xx", len(head), ins, outs, plans)
+    # requests with an id, or JSON data, are never cached
+    with_id = json.dumps({"id": "7", "inputs": json.loads(head)["inputs"]}).encode()
+    decode_request(with_id + feeds["x"].tobytes() + feeds["ids"].tobytes(), len(with_id), ins, outs, plans)
+    assert list(plans) == [head]
+
+
+def _json_body(batch=1):
+    feeds = _inputs(batch)
+    return {"inputs": [{"name": "x", "shape": [batch, 8], "datatype": "FP32", "data": feeds["x"].ravel().tolist()},
+                       {"name": "ids", "shape": [batch, 4], "datatype": "INT64", "data": feeds["ids"].ravel().tolist()}]}
+
+
+def _raw_exchange(url, payload: bytes, responses: int, timeout=30.0) -> list[tuple[int, dict, bytes]]:
+    """Send raw bytes on one connection; read `responses` HTTP responses (by Content-Length)."""
+    import socket
+
+    host, port = url.split(":")
+    out = []
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(payload)
+        buf = b""
+        while len(out) < responses:
+            while b"\r\n\r\n" not in buf:
+                chunk = s.recv(65536)
+                if not chunk:
+                    return out
+                buf += chunk
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+            need = int(headers.get("content-length", "0"))
+            while len(buf) < need:
+                buf += s.recv(65536)
+            out.append((int(lines[0].split()[1]), headers, buf[:need]))
+            buf = buf[need:]
+    return out
+
+
+def test_infer_reports_server_timing(served):
+    r = httpx.post(f"http://{served.url}/v2/models/mio/infer", json=_json_body(), timeout=30)
+    assert r.status_code == 200
+    parts = dict(p.strip().split(";dur=") for p in r.headers["server-timing"].split(","))
+    assert set(parts) == {"queue", "compute", "total"}
+    assert 0 < float(parts["compute"]) <= float(parts["total"])
+
+
+def test_wrong_method_and_unknown_path_get_405_and_404(served):
+    r = httpx.get(f"http://{served.url}/v2/models/mio/infer", timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and "takes POST" in r.json()["error"]
+    r = httpx.get(f"http://{served.url}/metrics", timeout=30)
+    assert r.status_code == 404 and "/v2" in r.json()["error"]
+
+
+def test_oversized_request_gets_413_and_the_job_keeps_serving(served):
+    served.door.max_request_bytes = 2000
+    try:
+        r = httpx.post(f"http://{served.url}/v2/models/mio/infer", json=_json_body(batch=20), timeout=30)
+        assert r.status_code == 413
+        assert "limit of 2000 bytes" in r.json()["error"] and "max_request_mb" in r.json()["error"]
+        # a client that waits for 100-continue is refused before it sends the body, and the connection closes
+        head = (f"POST /v2/models/mio/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: 5000\r\nExpect: 100-continue\r\n\r\n").encode()
+        [(status, headers, body)] = _raw_exchange(served.url, head, 1)
+        assert status == 413 and headers.get("connection") == "close"
+        assert httpx.post(f"http://{served.url}/v2/models/mio/infer", json=_json_body(), timeout=30).status_code == 200
+    finally:
+        served.door.max_request_bytes = 64 << 20
+
+
+def test_pipelined_requests_are_answered_in_order_and_chunked_bodies_are_read(served):
+    body = json.dumps(_json_body()).encode()
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 100]), body[i:i + 100]) for i in range(0, len(body), 100))
+    payload = (b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+               b"POST /v2/models/mio/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked + b"0\r\n\r\n"
+               b"GET /v2/models/nope HTTP/1.1\r\nHost: x\r\n\r\n")
+    answers = _raw_exchange(served.url, payload, 3)
+    assert [a[0] for a in answers] == [200, 200, 404]
+    assert json.loads(answers[0][2]) == {"live": True}
+    assert {o["name"] for o in json.loads(answers[1][2])["outputs"]} == {"scores", "id_sum"}
+
+
+def test_malformed_http_gets_400_and_a_closed_connection(served):
+    [(status, headers, body)] = _raw_exchange(served.url, b"NOT HTTP AT ALL\r\n\r\n", 1)
+    assert status == 400 and headers.get("connection") == "close" and b"malformed" in body
