@@ -91,6 +91,14 @@ def set_idle_policy(tid: int) -> None:
     _set_policy(tid, os.SCHED_IDLE, 0)
 
 
+def set_nice(tid: int, nice: int) -> None:
+    """Set the nice value of one thread (Linux keeps it per thread). Raising it needs no privilege."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except ProcessLookupError:
+        raise ThreadGone(tid) from None
+
+
 def policy_of(tid: int) -> tuple[str, int]:
     """("other"|"rr"|"fifo"|"idle"|"batch", real-time priority) of `tid`."""
     try:

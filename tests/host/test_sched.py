@@ -150,3 +150,30 @@ def test_rt_throttling_disabled_and_missing(tmp_path: Path) -> None:
 
 def test_permission_problem_is_a_host_error() -> None:
     assert issubclass(PermissionProblem, HostError) and issubclass(ThreadGone, HostError)
+
+
+def test_set_nice_changes_only_the_given_thread():
+    import threading
+
+    from reamer.host.sched import ThreadGone, set_nice
+
+    ready, done = threading.Event(), threading.Event()
+    tids = {}
+
+    def body():
+        tids["t"] = threading.get_native_id()
+        ready.set()
+        done.wait(10)
+
+    t = threading.Thread(target=body)
+    t.start()
+    try:
+        ready.wait(10)
+        set_nice(tids["t"], 19)
+        assert os.getpriority(os.PRIO_PROCESS, tids["t"]) == 19
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19
+    finally:
+        done.set()
+        t.join()
+    with pytest.raises(ThreadGone):
+        set_nice(2**22 + 12345, 19)
