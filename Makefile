@@ -17,7 +17,7 @@ demo: install
 	$(VENV)/bin/reamer demo --duration $(DURATION)
 
 test: install
-	$(PY) -m pytest -q --reruns 1 --reruns-delay 2 tests
+	$(PY) -m pytest -q -rR --reruns 1 --reruns-delay 2 tests
 
 bench: install
 	$(PY) bench/run_all.py

@@ -565,9 +565,9 @@ def markdown(results: dict, command: str) -> str:
             per_trial = ", ".join(f"{r:.2f}" for r in v["ratios"])
             lines.append(f"| {k} | {v['bare_median']:.2f} | {v['reamer_median']:.2f} | {v['ratio_median']:.3f} | "
                          f"{per_trial} | {'yes' if v['ratio_median'] >= 0.95 else 'no'} | {v['loadavg'][0]:.1f} |")
-        lines += ["", "Per-trial ratios swing by tens of percent with other users' load, so a 5 % shortfall is "
-                  "within this machine's noise at 3 trials; the medians sit around 1.0 (reamer ahead in some, "
-                  "behind in others).", ""]
+        lines += ["", "Both sides run the same number of samples per trial, interleaved trial by trial; the bare "
+                  "side's rate is the sum of its instances' own rates, reamer's is its results' completions per second "
+                  "(first to last). Per-trial ratios still spread by several percent on this shared VM.", ""]
     if results["online"]:
         lines += ["Online front-door overhead: one instance (1 core, 1 thread, max_batch 4) on cpu 1, the job's front "
                   "door and the clients on cpu 0. Three ways take turns request by request, one request at a time after "
@@ -604,33 +604,41 @@ def markdown(results: dict, command: str) -> str:
                          f"{cell('onnxruntime')} |")
         lines.append("")
     lines += [
-        "What the request path cost and what was changed (profiled with py-spy and per-stage time stamps):",
+        "What the request path cost and what was changed (py-spy, per-request CPU time of the job process "
+        "from /proc, and time stamps at every stage of the path):",
         "",
-        "- **40 ms stalls (the main cause):** the front door's listening socket was made with proto 0, so asyncio "
-        "did not set TCP_NODELAY on accepted connections. uvicorn writes the response head and body separately; "
-        "Nagle held the body until the client acknowledged the head, and a client in delayed-ACK mode (steady "
-        "keep-alive traffic) waits up to 40 ms. Seen as client p50 ≈ 50 ms for the tiny model at ~50 req/s while "
-        "the job's own p50 was 1.2 ms. Fixed: listener created with IPPROTO_TCP and TCP_NODELAY set on every "
-        "connection; same probe after the fix: p50 3.4 ms.",
-        "- **Batching wait while idle:** an idle instance waited up to min(5 ms or 0.2×SLO, batch latency) for more "
-        "requests even when none were coming. Now it waits only while the recent mean gap between arrivals fits "
-        "in that window; under load batches still form from requests queued behind busy instances.",
-        "- **Tensors pickled through the pipe:** a 600 KB input crossed the socketpair in several buffer fills, "
-        "each a cross-cpu wake-up on a loaded core (1–10 ms under load). Now inputs and outputs go through a "
-        "per-instance shared-memory arena (memfd); the pipe carries only offsets and shapes.",
-        "- **Thread hand-offs:** the event loop handed each batch to a thread and back (two wake-ups); it now "
-        "writes the request and waits for the reply with `add_reader` on the worker's pipe.",
-        "- **fsync on the event loop:** the job's 0.5 s status write (temp + fsync + rename, 1–9 ms here) ran on "
-        "the loop that serves requests; it now runs in a thread. Offline: result files (savez + fsync) are written "
-        "by a writer thread while the instance runs the next batch.",
-        "- **What is left (resnet50, per request):** CPU in the job process ≈ 5 ms with uvicorn's pure-Python h11 "
-        "parser (≈ 1.3 ms of it in h11's receive buffer for the 600 KB body) vs ≈ 3.5 ms with httptools; the "
-        "instance path (shared-memory copy, two pipe messages, wake-ups) ≈ 2 ms paired against a direct call over "
-        "a pipe. On 2 cores shared with ~7 engineers' test runs every wake-up and every ms of Python CPU on cpu 0 "
-        "waits behind other runnable tasks, so ≤ 1 ms at p50 is out of reach here. The front door prefers "
-        "httptools when installed (not a dependency); a run with it on the path "
-        "(`bench/results/serving_overhead/online-httptools`) gave 12.6 ms (resnet50) and 19.3 ms (bert-base) "
-        "p50 − p50: less CPU, no p50 gain visible under this load.",
+        "- **40 ms stalls:** the listening socket was made with proto 0, so asyncio did not set TCP_NODELAY on "
+        "accepted connections, and Nagle held each response body until the client acknowledged its head (up to "
+        "40 ms with delayed ACKs). Fixed: TCP_NODELAY on every connection.",
+        "- **uvicorn + FastAPI: 1.6 ms of CPU per request** in the job process (tiny model, 500 requests; "
+        "middleware stack, routing, Request/Response objects, ASGI cycle). The front door is now a small "
+        "HTTP/1.1 protocol on httptools (the C parser uvicorn uses) and uvloop: 0.8 ms, then 0.6 ms with the "
+        "changes below. A request that finds an idle instance and nothing queued runs on it from its own task "
+        "instead of handing off to the instance's loop and back (two event-loop turns, ~0.25 ms on a cold core).",
+        "- **Page faults on every request body:** joining a 600 KB body took 0.48 ms because every fresh buffer "
+        "that size was new memory from the kernel (glibc returns it on free); the job process now keeps large "
+        "buffers in its heap (`mallopt`): 0.07 ms. The same applies to offline inputs.",
+        "- **Pickling:** multiprocessing's ForkingPickler builds a pickler with a copied dispatch table per "
+        "message; the instance pipe now uses plain pickle. A byte-identical JSON header (one client, one shape) "
+        "reuses its checked decode plan.",
+        "- **Offline gaps:** each lane read its next file only after its instance finished the current one "
+        "(np.load of a 600 KB .npz: 1.9 ms), and the lane thread, woken on the instance's core, kept the instance "
+        "waiting for its time slice. Now the next file is read while the instance computes, .npz files are read "
+        "from the zip member and the .npy header directly (0.5 ms, CRC still checked), and the runner's threads run "
+        "at nice 19 so the instance preempts them at once.",
+        "- **What is left (tiny model, per-stage time stamps, p50, one request at a time):** client to front door "
+        "0.16 ms, parse 0.06, decode 0.05–0.19, hand-off to the instance (shared-memory copy, pipe message, "
+        "wake-up of the instance's core) 0.3, reply back (copy, message, wake-up of the job's core) 0.3, encode "
+        "and write 0.15, back to the client 0.1. The two cross-core wake-ups (0.15–0.3 ms each on this VM) are "
+        "also in the direct call; the rest is Python running with cold caches, since the model's run between "
+        "requests evicts them. A 600 KB ResNet-50 input adds ~0.5 ms of copying (socket, body, arena).",
+        "- **Offline, what is left:** after these changes an instance waits ~1 ms between batches (traced: BERT-base "
+        "ORT 1x2 0.9 ms p50 over 60 batches of ~200 ms). The rest of the shortfall, where there is one, is compute "
+        "slowed by the runner sharing the instance's cores: in one traced OpenVINO 1x2 ResNet-50 run the instance's "
+        "compute per batch was 69.6 ms p50 against 61 ms in the bare loop, as two threads on the only two cores lose "
+        "time whenever the runner's few ms of CPU per file (reading, writing, status) take one of them. A 2-core host "
+        "has no core to spare for the runner; the agent's default keeps one housekeeping core for it. Single runs "
+        "spread widely: a re-run of BERT-base ORT 1x2 alone (1 trial) gave 1.058.",
         "",
     ]
     return "\n".join(lines)

@@ -31,8 +31,12 @@ def test_quick_run_measures_offline_online_and_the_openvino_hint(tmp_path):
     for entry in data["offline"].values():
         assert entry["bare_median"] > 0 and entry["reamer_median"] > 0
         assert math.isfinite(entry["ratio_median"])
-    online = data["online"]["tiny"]
-    assert 0 < online["direct_median_ms"] < online["frontdoor_median_ms"]  # HTTP can never beat a direct call
+    online = data["online"]["tiny"]["median"]
+    # HTTP and the hop to the instance can never beat a direct call over a pipe
+    assert 0 < online["direct_noncompute_p50_ms"] < online["http_noncompute_p50_ms"]
+    assert 0 < online["direct_p50_ms"] < online["tritonclient_p50_ms"]
+    assert 0 < online["in_job_p50_ms"] < online["http_p50_ms"]
+    assert online["overhead_ms"] == pytest.approx(online["http_noncompute_p50_ms"] - online["direct_noncompute_p50_ms"])
     hint = data["ov_compare"]["tiny"]
     assert hint["ov_hint_median"] > 0 and hint["streams"] >= 1
     assert set(hint["reamer_best"]) == {"onnxruntime", "openvino"}
