@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,10 +28,15 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+BENCH = Path(__file__).resolve().parent
+for _p in (str(ROOT), str(BENCH)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from results_md import replace_section  # noqa: E402
+from search_calibration import machine_info, model_file  # noqa: E402
 
 from reamer.plan.layout import Layout, parse_layout  # noqa: E402
-from reamer.serve.models import build_model  # noqa: E402
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus  # noqa: E402
 
 HEADING = "## Serving overhead (issue 3)"
@@ -433,18 +437,6 @@ _ALL_CPUS = sorted(os.sched_getaffinity(0))
 
 # ------------------------------------------------------------------ driver
 
-def _machine() -> dict:
-    model = "unknown"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu_model": model, "cpus": len(_ALL_CPUS), "python": platform.python_version(),
-            "loadavg": os.getloadavg()}
-
-
 def _uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -457,16 +449,12 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
     out.mkdir(parents=True, exist_ok=True)
     # built models are hundreds of MB: cache them outside the repository, never next to the results
     models_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "reamer" / "bench-models"
-    results: dict = {"machine": _machine(), "uptime_before": _uptime(), "settings": asdict(settings),
+    results: dict = {"machine": machine_info(), "uptime_before": _uptime(), "settings": asdict(settings),
                      "command": command,
                      "offline": {}, "online": {}, "ov_compare": {}}
     fd_cpu, inst_cpu = settings.frontdoor_cpu, settings.instance_cpu
     for family in settings.models:
-        opts = MODEL_OPTIONS.get(family, {})
-        path = models_dir / ("-".join([family, *(f"{k}{v}" for k, v in sorted(opts.items()))]) + ".onnx")
-        if not path.exists():
-            build_model(family, path, **opts)
-        model = str(path)
+        model = str(model_file(family, MODEL_OPTIONS.get(family, {}), models_dir))
         with tempfile.TemporaryDirectory(prefix="reamer-so-") as tmp:
             work = Path(tmp)
             # --- offline, per backend and layout
@@ -604,8 +592,12 @@ def markdown(results: dict, command: str) -> str:
                          f"{cell('onnxruntime')} |")
         lines.append("")
     lines += [
-        "What the request path cost and what was changed (py-spy, per-request CPU time of the job process "
-        "from /proc, and time stamps at every stage of the path):",
+        "What the request path cost and what was changed. These figures come from ad-hoc probes during "
+        "development, not from this script: a raw-socket client sending 200–3000 requests to a tiny-model or "
+        "ResNet-50 job (one at a time, 20 ms mean think time) while py-spy sampled the job, its CPU time was read "
+        "from /proc, and a patched copy of the job stamped the time at every stage of the path. \"Before\" is "
+        "commit 34a5adb, \"after\" the commit that made each change; the page-fault effect is also checked by "
+        "`tests/host/test_malloc.py`:",
         "",
         "- **40 ms stalls:** the listening socket was made with proto 0, so asyncio did not set TCP_NODELAY on "
         "accepted connections, and Nagle held each response body until the client acknowledged its head (up to "
@@ -638,17 +630,12 @@ def markdown(results: dict, command: str) -> str:
         "compute per batch was 69.6 ms p50 against 61 ms in the bare loop, as two threads on the only two cores lose "
         "time whenever the runner's few ms of CPU per file (reading, writing, status) take one of them. A 2-core host "
         "has no core to spare for the runner; the agent's default keeps one housekeeping core for it. Single runs "
-        "spread widely: a re-run of BERT-base ORT 1x2 alone (1 trial) gave 1.058.",
+        "spread widely: a re-run of BERT-base ORT 1x2 alone gave 1.058 (`python bench/serving_overhead.py "
+        "--offline-only --no-ov-compare --models bert-base --trials 1 --backends onnxruntime --layouts 1x2:b1 "
+        "--offline-samples 60`).",
         "",
     ]
     return "\n".join(lines)
-
-
-def write_results_md(path: Path, body: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from results_md import replace_section
-
-    replace_section(path, HEADING, body)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -685,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         body = markdown(merged, "`; `".join(commands))
         print(body)
         if args.results_md:
-            write_results_md(Path(args.results_md), body)
+            replace_section(Path(args.results_md), HEADING, body)
         return 0
     if len(_ALL_CPUS) < 2:
         print("serving_overhead needs two cpus (front door and instance)", file=sys.stderr)
@@ -708,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     body = markdown(results, command.strip())
     print(body)
     if args.results_md:
-        write_results_md(Path(args.results_md), body)
+        replace_section(Path(args.results_md), HEADING, body)
     return 0
 
 

@@ -340,11 +340,6 @@ class V2App:
         return Reply(200, content, out_headers.pop("content-type"), out_headers)
 
 
-def create_app(model_name: str, batcher: DynamicBatcher, platform: str = "onnxruntime_onnx") -> V2App:
-    """The v2 endpoints of one model served by `batcher`."""
-    return V2App(model_name, batcher, platform)
-
-
 @dataclass
 class _Incoming:
     method: str

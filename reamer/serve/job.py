@@ -22,6 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import uvloop
+
 from reamer.host.errors import ReamerError
 from reamer.host.malloc import keep_large_buffers
 from reamer.host.sched import ThreadGone, set_affinity, threads_of
@@ -39,16 +41,6 @@ def pin_process(cpus: list[int]) -> None:
             set_affinity(tid, cpus)
         except ThreadGone:
             pass  # a thread that just ended
-
-
-def _event_loop_factory():
-    """uvloop's event loop where installed: its C loop and transports take a good part of the
-    per-request CPU off the job's core (bench/RESULTS.md); asyncio's own loop otherwise."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 class Job:
@@ -139,7 +131,9 @@ class Job:
         self._write_status()
         try:
             if self.spec.kind == "online":
-                with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+                # uvloop: its C loop and transports take a good part of the per-request CPU off the
+                # job's core (bench/RESULTS.md)
+                with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                     return runner.run(self._run_online())
             return self._run_offline()
         except ReamerError as exc:
@@ -148,7 +142,7 @@ class Job:
     # -- online
     async def _run_online(self) -> int:
         from reamer.serve.batcher import DynamicBatcher
-        from reamer.serve.frontdoor import FrontDoor, create_app
+        from reamer.serve.frontdoor import FrontDoor, V2App
         from reamer.serve.stats import OverloadDetector, RequestStats
 
         spec = self.spec
@@ -162,7 +156,7 @@ class Job:
         overload = OverloadDetector(spec.rate_rps, sustain_s=OVERLOAD_SUSTAIN_S)
         batcher = DynamicBatcher(spec.slo_ms, stats, name=spec.name)
         platform = "onnxruntime_onnx" if spec.backend == "onnxruntime" else "openvino"
-        door = FrontDoor(create_app(spec.name, batcher, platform), spec.host, spec.port or 0,
+        door = FrontDoor(V2App(spec.name, batcher, platform), spec.host, spec.port or 0,
                          max_request_bytes=int(spec.max_request_mb * 2**20))
         self.status.port = door.port
         self._write_status()  # the port is known now, before the workers are up

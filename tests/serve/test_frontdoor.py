@@ -14,7 +14,7 @@ from tritonclient.utils import InferenceServerException
 
 from reamer.serve.backends import open_backend
 from reamer.serve.batcher import DynamicBatcher
-from reamer.serve.frontdoor import HEADER_LENGTH, FrontDoor, create_app
+from reamer.serve.frontdoor import HEADER_LENGTH, FrontDoor, V2App
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec
 from reamer.serve.worker import InstanceWorker
@@ -30,7 +30,7 @@ class Served:
         self.worker = InstanceWorker(0, InstanceSpec([CPU], 1, 4), model_path, run_dir=str(tmp_path))
         self.worker.start()
         self.batcher = DynamicBatcher(slo_ms=slo_ms, name="mio")
-        self.door = FrontDoor(create_app("mio", self.batcher), "127.0.0.1", 0)
+        self.door = FrontDoor(V2App("mio", self.batcher), "127.0.0.1", 0)
         self.url = f"127.0.0.1:{self.door.port}"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),), daemon=True)
@@ -304,8 +304,8 @@ def test_oversized_request_gets_413_and_the_job_keeps_serving(served):
         assert r.status_code == 413
         assert "limit of 2000 bytes" in r.json()["error"] and "max_request_mb" in r.json()["error"]
         # a client that waits for 100-continue is refused before it sends the body, and the connection closes
-        head = (f"POST /v2/models/mio/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: 5000\r\nExpect: 100-continue\r\n\r\n").encode()
+        head = ("POST /v2/models/mio/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                "Content-Length: 5000\r\nExpect: 100-continue\r\n\r\n").encode()
         [(status, headers, body)] = _raw_exchange(served.url, head, 1)
         assert status == 413 and headers.get("connection") == "close"
         assert httpx.post(f"http://{served.url}/v2/models/mio/infer", json=_json_body(), timeout=30).status_code == 200

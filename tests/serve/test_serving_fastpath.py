@@ -13,7 +13,7 @@ import pytest
 
 from reamer.serve.backends import open_backend
 from reamer.serve.batcher import DynamicBatcher
-from reamer.serve.frontdoor import FrontDoor, create_app
+from reamer.serve.frontdoor import FrontDoor, V2App
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec
 from reamer.serve.worker import InstanceCrashed, InstanceWorker
@@ -105,7 +105,7 @@ def test_idle_instance_waits_for_a_fuller_batch_only_when_requests_arrive_densel
 
 def test_front_door_connections_have_nagle_off(worker):
     batcher = DynamicBatcher(slo_ms=None, name="tiny")
-    door = FrontDoor(create_app("tiny", batcher), "127.0.0.1", 0)
+    door = FrontDoor(V2App("tiny", batcher), "127.0.0.1", 0)
     loop = asyncio.new_event_loop()
     seen = {}
 
