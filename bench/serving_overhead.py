@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +72,7 @@ class Trials:
 
 _BARE = r"""
 import json, os, sys, time
+import httpx
 import numpy as np
 cpus, threads, kind, model, files, out = sys.argv[1:7]
 os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
@@ -90,6 +92,7 @@ json.dump(stamps, open(out, "w"))
 
 _DIRECT = r"""
 import json, os, sys, time
+import httpx
 import numpy as np
 cpus, threads, kind, model, n, gap, out, dims = sys.argv[1:9]
 os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
@@ -108,6 +111,7 @@ json.dump(lat, open(out, "w"))
 
 _DIRECT_SERVER = r"""
 import os, sys, time
+import httpx
 import numpy as np
 cpus, threads, kind, model = sys.argv[1:5]
 os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
@@ -122,6 +126,7 @@ for line in sys.stdin:  # one inference per line; answers its time inside backen
 
 _OV_THROUGHPUT = r"""
 import json, os, sys, time
+import httpx
 import numpy as np
 cpus, model, n, out = sys.argv[1:5]
 os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
@@ -350,7 +355,10 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
     client, which encodes every request), and a direct call: a process pinned like the instance (same
     cpus, threads) that waits on a pipe, as the instance waits on its own.
     """
-    import tritonclient.http as triton
+    try:
+        import tritonclient.http as triton
+    except ImportError:  # the test extra is not installed: measure (a) and (c) only
+        triton = None
 
     run_dir = work / "run"
     spec = JobSpec(name=name, kind="online", model=model, backend=backend, run_dir=str(run_dir), port=0,
@@ -364,14 +372,15 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
             raise RuntimeError("direct process failed to start")
         st = _wait_job(proc, run_dir, lambda s: s.state == "ready" and s.port, timeout=600)
         os.sched_setaffinity(0, [frontdoor_cpu])  # the client shares the front door's cpu, never the instance's
-        client = triton.InferenceServerClient(f"127.0.0.1:{st.port}", connection_timeout=600, network_timeout=600)
-        tensors = []
-        for key, arr in inputs.items():
-            t = triton.InferInput(key, list(arr.shape), {np.float32: "FP32", np.int64: "INT64"}[arr.dtype.type])
-            t.set_data_from_numpy(arr, binary_data=True)
-            tensors.append(t)
-        names = _output_names(client, name)
-        outputs = [triton.InferRequestedOutput(o, binary_data=True) for o in names]
+        names = _output_names(st.port, name)
+        client, tensors, outputs = None, [], []
+        if triton is not None:
+            client = triton.InferenceServerClient(f"127.0.0.1:{st.port}", connection_timeout=600, network_timeout=600)
+            for key, arr in inputs.items():
+                t = triton.InferInput(key, list(arr.shape), {np.float32: "FP32", np.int64: "INT64"}[arr.dtype.type])
+                t.set_data_from_numpy(arr, binary_data=True)
+                tensors.append(t)
+            outputs = [triton.InferRequestedOutput(o, binary_data=True) for o in names]
         raw_body, raw_headers = _raw_request(name, inputs, names)
         plain = _PlainClient(st.port, f"/v2/models/{name}/infer", raw_body, raw_headers)
         # per request: (latency, latency minus the model's own run time) in ms; in_job: the job's own time
@@ -390,6 +399,8 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
             return took, took - timing["compute"]
 
         def via_triton() -> tuple[float, float]:
+            if client is None:
+                return float("nan"), float("nan")
             t0 = time.perf_counter()
             client.infer(name, tensors, outputs=outputs)
             took = (time.perf_counter() - t0) * 1e3
@@ -414,7 +425,8 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
             for key in order[i % 3:] + order[:i % 3]:
                 time.sleep(rng.exponential(gap_s))
                 lat[key].append(ways[key]())
-        client.close()
+        if client is not None:
+            client.close()
         plain.close()
         return {**lat, "in_job": in_job}
     finally:
@@ -428,8 +440,9 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
         _stop(proc)
 
 
-def _output_names(client, name: str) -> list[str]:
-    return [o["name"] for o in client.get_model_metadata(name)["outputs"]]
+def _output_names(port: int, name: str) -> list[str]:
+    meta = httpx.get(f"http://127.0.0.1:{port}/v2/models/{name}", timeout=60).json()
+    return [o["name"] for o in meta["outputs"]]
 
 
 _ALL_CPUS = sorted(os.sched_getaffinity(0))

@@ -38,9 +38,19 @@ def test_search_json_has_the_best_layout(searched):
     assert data["space"] == 3  # one core, batches 1, 2, 4
     assert 1 <= data["measured"] <= data["space"]
     assert data["cpus"] and data["baseline"]["layout"] == "1x1:b4"
-    # the best is the fastest measured layout that meets the SLO
-    layouts = [m for m in data["measurements"] if m["kind"] == "layout" and m["p99_ms"] <= 1000]
-    assert best["throughput_rps"] == max(m["throughput_rps"] for m in layouts)
+    # A layout measured more than once is judged on the mean of its runs; the best is the fastest
+    # mean that meets the SLO, or one within the search's 5 % tie margin of it.
+    runs: dict[str, list[dict]] = {}
+    for m in data["measurements"]:
+        if m["kind"] == "layout":
+            runs.setdefault(m["layout"], []).append(m)
+    means = {k: (sum(r["throughput_rps"] for r in v) / len(v), sum(r["p99_ms"] for r in v) / len(v))
+             for k, v in runs.items()}
+    assert best["throughput_rps"] == pytest.approx(means[best["layout"]][0])
+    # (the baseline, 1x1:b4, may have been run once more after the search, for the gain)
+    fastest = max(rps for layout, (rps, p99) in means.items()
+                  if p99 <= 1000 and (layout != "1x1:b4" or best["layout"] == "1x1:b4"))
+    assert best["throughput_rps"] >= 0.95 * fastest
 
 
 def test_search_writes_csv_of_every_measurement_and_a_png(searched):
