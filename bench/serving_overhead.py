@@ -55,6 +55,9 @@ class Settings:
     ov_compare: bool
     frontdoor_cpu: int
     instance_cpu: int
+    client_cpu: int
+    offline_job_cpus: list[int]  # the offline job process (runner threads)
+    offline_instance_cpus: list[int]
     offline: bool = True
     online: bool = True
 
@@ -72,7 +75,6 @@ class Trials:
 
 _BARE = r"""
 import json, os, sys, time
-import httpx
 import numpy as np
 cpus, threads, kind, model, files, out = sys.argv[1:7]
 os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
@@ -92,7 +94,6 @@ json.dump(stamps, open(out, "w"))
 
 _DIRECT = r"""
 import json, os, sys, time
-import httpx
 import numpy as np
 cpus, threads, kind, model, n, gap, out, dims = sys.argv[1:9]
 os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
@@ -111,7 +112,6 @@ json.dump(lat, open(out, "w"))
 
 _DIRECT_SERVER = r"""
 import os, sys, time
-import httpx
 import numpy as np
 cpus, threads, kind, model = sys.argv[1:5]
 os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
@@ -124,9 +124,41 @@ for line in sys.stdin:  # one inference per line; answers its time inside backen
     t0 = time.perf_counter(); b.run(x); print((time.perf_counter() - t0) * 1e3, flush=True)
 """
 
+_DIRECT_TCP = r"""
+import os, socket, struct, sys, time
+import numpy as np
+cpus, threads, kind, model = sys.argv[1:5]
+os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+from reamer.serve.backends import open_backend, sample_inputs
+b = open_backend(kind, model, int(threads))
+x = sample_inputs(b, 1, np.random.default_rng(1))
+b.run(x); b.run(x)
+specs = [(k, a.dtype, a.shape, a.nbytes) for k, a in x.items()]
+size = sum(n for *_, n in specs)
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+conn, _ = listener.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+buf = bytearray(size)
+view = memoryview(buf)
+while True:  # the request is the input tensors' raw bytes; the answer: compute ms, length, output bytes
+    got = 0
+    while got < size:
+        k = conn.recv_into(view[got:], size - got)
+        if not k:
+            sys.exit(0)
+        got += k
+    inputs, off = {}, 0
+    for name, dtype, shape, n in specs:
+        inputs[name] = np.frombuffer(buf, dtype, count=n // dtype.itemsize, offset=off).reshape(shape)
+        off += n
+    t0 = time.perf_counter(); out = b.run(inputs); took = (time.perf_counter() - t0) * 1e3
+    raw = b"".join(np.ascontiguousarray(a).tobytes() for a in out.values())
+    conn.sendall(struct.pack("<dI", took, len(raw)) + raw)
+"""
+
 _OV_THROUGHPUT = r"""
 import json, os, sys, time
-import httpx
 import numpy as np
 cpus, model, n, out = sys.argv[1:5]
 os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
@@ -324,6 +356,40 @@ class _PlainClient:
         self.sock.close()
 
 
+class _TensorClient:
+    """Client of the direct TCP server: sends the input tensors' raw bytes, reads the compute time and the
+    output bytes. The least any network server in front of the model must move."""
+
+    def __init__(self, port: int, inputs: dict[str, np.ndarray]) -> None:
+        import socket
+
+        self.request = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values())
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _exactly(self, n: int) -> bytes:
+        parts = []
+        while n > 0:
+            chunk = self.sock.recv(n)
+            if not chunk:
+                raise RuntimeError("direct TCP server closed the connection")
+            parts.append(chunk)
+            n -= len(chunk)
+        return b"".join(parts)
+
+    def call(self) -> float:
+        """One inference; the server's compute time (ms)."""
+        import struct
+
+        self.sock.sendall(self.request)
+        took, size = struct.unpack("<dI", self._exactly(12))
+        self._exactly(size)
+        return took
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def _raw_request(name: str, inputs: dict[str, np.ndarray], output_names: list[str]) -> tuple[bytes, dict[str, str]]:
     """A v2 infer request with binary tensors both ways, encoded once."""
     from reamer.serve.tensors import numpy_to_v2
@@ -345,8 +411,8 @@ def _server_timing(header: str | None) -> dict[str, float]:
     return out
 
 
-def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, frontdoor_cpu: int, n: int,
-                  gap_s: float, work: Path, inputs: dict[str, np.ndarray]) -> dict[str, list[float]]:
+def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, frontdoor_cpu: int, client_cpu: int,
+                  n: int, gap_s: float, work: Path, inputs: dict[str, np.ndarray]) -> dict[str, list[float]]:
     """Latency through the front door and of a direct call, interleaved request by request.
 
     Three ways take turns (order rotating), one request at a time after a random think time, so load
@@ -365,13 +431,16 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
                    instances=[instance], frontdoor_cpus=[frontdoor_cpu])
     spec.save(work / "spec.json")
     proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(work / "spec.json")], cwd=ROOT)
-    direct = _py(_DIRECT_SERVER, ",".join(map(str, instance.cpus)), instance.threads, backend, model,
-                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    cpus = ",".join(map(str, instance.cpus))
+    direct = _py(_DIRECT_SERVER, cpus, instance.threads, backend, model, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    direct_tcp = _py(_DIRECT_TCP, cpus, instance.threads, backend, model, stdout=subprocess.PIPE)
+    tcp = None
     try:
         if direct.stdout.readline().strip() != "ready":
             raise RuntimeError("direct process failed to start")
+        tcp = _TensorClient(int(direct_tcp.stdout.readline()), inputs)
         st = _wait_job(proc, run_dir, lambda s: s.state == "ready" and s.port, timeout=600)
-        os.sched_setaffinity(0, [frontdoor_cpu])  # the client shares the front door's cpu, never the instance's
+        os.sched_setaffinity(0, [client_cpu])  # never the instance's cpu
         names = _output_names(st.port, name)
         client, tensors, outputs = None, [], []
         if triton is not None:
@@ -385,7 +454,7 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
         plain = _PlainClient(st.port, f"/v2/models/{name}/infer", raw_body, raw_headers)
         # per request: (latency, latency minus the model's own run time) in ms; in_job: the job's own time
         # besides compute, from its Server-Timing header
-        lat: dict[str, list[tuple[float, float]]] = {"http": [], "tritonclient": [], "direct": []}
+        lat: dict[str, list[tuple[float, float]]] = {"http": [], "tritonclient": [], "direct": [], "direct_tcp": []}
         in_job: list[float] = []
 
         def via_http() -> tuple[float, float]:
@@ -414,7 +483,13 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
             took = (time.perf_counter() - t0) * 1e3
             return took, took - compute
 
-        ways = {"http": via_http, "tritonclient": via_triton, "direct": via_direct}
+        def via_direct_tcp() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            compute = tcp.call()
+            took = (time.perf_counter() - t0) * 1e3
+            return took, took - compute
+
+        ways = {"http": via_http, "tritonclient": via_triton, "direct": via_direct, "direct_tcp": via_direct_tcp}
         for _ in range(3):
             for way in ways.values():
                 way()
@@ -422,7 +497,7 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
         rng = np.random.default_rng(2)
         order = list(ways)
         for i in range(n):
-            for key in order[i % 3:] + order[:i % 3]:
+            for key in order[i % len(order):] + order[:i % len(order)]:
                 time.sleep(rng.exponential(gap_s))
                 lat[key].append(ways[key]())
         if client is not None:
@@ -437,6 +512,12 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
                 direct.wait(30)
             except subprocess.TimeoutExpired:
                 direct.kill()
+        if tcp is not None:
+            tcp.close()
+        try:
+            direct_tcp.wait(30)
+        except subprocess.TimeoutExpired:
+            direct_tcp.kill()
         _stop(proc)
 
 
@@ -478,11 +559,12 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
                     files = _write_batches(model, work / "in" / lay, settings.offline_samples[family], batch)
                     bare, ream = Trials(), Trials()
                     for t in range(settings.trials):  # interleaved, so load drifts hit both alike
-                        bare.values.append(offline_bare(model, backend, layout, _ALL_CPUS, files, work))
+                        bare.values.append(offline_bare(model, backend, layout, settings.offline_instance_cpus,
+                                                        files, work))
                         wd = work / f"job-{backend}-{lay}-{t}"
                         wd.mkdir()
-                        ream.values.append(offline_reamer(model, backend, layout, _ALL_CPUS, work / "in" / lay, wd,
-                                                          _ALL_CPUS))
+                        ream.values.append(offline_reamer(model, backend, layout, settings.offline_instance_cpus,
+                                                          work / "in" / lay, wd, settings.offline_job_cpus))
                     ratios = [r / b for r, b in zip(ream.values, bare.values)]
                     key = f"{family}/{backend}/{lay}"
                     results["offline"][key] = {
@@ -524,7 +606,7 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
                 wd = work / f"online-{t}"
                 wd.mkdir()
                 lat = online_paired(model, backend, family.replace("-", "_"), InstanceSpec([inst_cpu], 1, 4), fd_cpu,
-                                    n, gap, wd, inputs)
+                                    settings.client_cpu, n, gap, wd, inputs)
 
                 def p50(key: str, part: int) -> float:
                     return statistics.median(x[part] for x in lat[key])
@@ -532,14 +614,17 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
                     "direct_p50_ms": p50("direct", 0), "http_p50_ms": p50("http", 0),
                     "tritonclient_p50_ms": p50("tritonclient", 0),
                     "direct_noncompute_p50_ms": p50("direct", 1), "http_noncompute_p50_ms": p50("http", 1),
-                    "overhead_ms": p50("http", 1) - p50("direct", 1),
+                    "direct_tcp_p50_ms": p50("direct_tcp", 0), "direct_tcp_noncompute_p50_ms": p50("direct_tcp", 1),
+                    "overhead_ms": p50("http", 1) - p50("direct_tcp", 1),
+                    "overhead_vs_pipe_ms": p50("http", 1) - p50("direct", 1),
                     "in_job_p50_ms": statistics.median(lat["in_job"]),
                     "tritonclient_minus_direct_ms": p50("tritonclient", 0) - p50("direct", 0)})
             summary = {k: statistics.median(tr[k] for tr in trials) for k in trials[0]}
             results["online"][family] = {"trials": trials, "median": summary, "overheads": [tr["overhead_ms"] for tr in trials],
                                          "gap_s": gap, "requests": n, "backend": backend, "loadavg": os.getloadavg()}
-            print(f"online {family}: overhead {summary['overhead_ms']:.2f} ms (front door {summary['http_noncompute_p50_ms']:.2f} "
-                  f"ms besides compute, direct {summary['direct_noncompute_p50_ms']:.2f} ms; in the job "
+            print(f"online {family}: overhead {summary['overhead_ms']:.2f} ms (vs pipe {summary['overhead_vs_pipe_ms']:.2f}; "
+                  f"front door {summary['http_noncompute_p50_ms']:.2f} ms besides compute, direct TCP "
+                  f"{summary['direct_tcp_noncompute_p50_ms']:.2f}, direct pipe {summary['direct_noncompute_p50_ms']:.2f} ms; in the job "
                   f"{summary['in_job_p50_ms']:.2f} ms); p50 direct {summary['direct_p50_ms']:.2f}, front door "
                   f"{summary['http_p50_ms']:.2f}, tritonclient {summary['tritonclient_p50_ms']:.2f} ms", flush=True)
     results["uptime_after"] = _uptime()
@@ -557,8 +642,14 @@ def markdown(results: dict, command: str) -> str:
              "weights; bert-base is the full model (12 layers, seq 128, ≈ 0.3–0.5 s per sample on one core here), "
              "so it runs with few samples at a low rate.", ""]
     if results["offline"]:
+        st = results["settings"]
+        runner = ("shares the instances' cpus (a 2-cpu machine has no housekeeping cpu)"
+                  if st.get("offline_job_cpus") == st.get("offline_instance_cpus") else
+                  f"runs on housekeeping cpu(s) {st.get('offline_job_cpus')}, as the agent places it")
         lines += ["Offline throughput: reamer offline job (OfflineRunner, .npz in/out) vs a bare loop of pinned "
-                  "processes calling `backend.run` on the same batches, same cpus/threads (target ≥ 0.95).", "",
+                  "processes calling `backend.run` on the same batches, preloaded in memory, same cpus/threads "
+                  f"(target ≥ 0.95). Instances on cpus {st.get('offline_instance_cpus')}; the job process (reading and "
+                  f"writing files) {runner}.", "",
                   "| model/backend/layout | bare (samples/s) | reamer (samples/s) | ratio (median) | ratio per trial "
                   "| met | load (1 min) |",
                   "|---|---|---|---|---|---|---|"]
@@ -570,24 +661,31 @@ def markdown(results: dict, command: str) -> str:
                   "side's rate is the sum of its instances' own rates, reamer's is its results' completions per second "
                   "(first to last). Per-trial ratios still spread by several percent on this shared VM.", ""]
     if results["online"]:
-        lines += ["Online front-door overhead: one instance (1 core, 1 thread, max_batch 4) on cpu 1, the job's front "
-                  "door and the clients on cpu 0. Three ways take turns request by request, one request at a time after "
-                  "exponential think times, so nothing queues and load drift hits all alike: (a) the front door with a "
-                  "plain client (one keep-alive socket, request bytes encoded once, binary tensors both ways); (b) the "
-                  "front door with tritonclient; (c) a direct call: `backend.run` in a process pinned like the instance, "
-                  "triggered over a pipe. **Overhead** = p50 of (latency − the model's own run time) through (a), minus "
+        st = results["settings"]
+        lines += [f"Online front-door overhead: one instance (1 core, 1 thread, max_batch 4) on cpu {st['instance_cpu']}, "
+                  f"the job's front door on cpu {st['frontdoor_cpu']}, the clients on cpu {st['client_cpu']}. Four ways "
+                  "take turns request by request, one request at a time after exponential think times, so nothing "
+                  "queues and load drift hits all alike: (a) the front door with a plain client (one keep-alive socket, "
+                  "request bytes encoded once, binary tensors both ways); (b) the front door with tritonclient; (c) a "
+                  "direct TCP server: one process pinned like the instance that receives the input tensors' raw bytes "
+                  "over a socket from the same client cpu, runs `backend.run` on them and sends the output bytes back, "
+                  "the least any network server in front of the model must do; (d) a direct call triggered over a pipe "
+                  "(no tensor bytes move). **Overhead** = p50 of (latency − the model's own run time) through (a), minus "
                   "the same for (c): the run time comes from the job's `Server-Timing` header and from the direct "
                   "process itself, so the model's own run-to-run spread (several ms for ResNet-50) cancels out of each "
-                  "request. In the job = p50 of `Server-Timing` total − compute. Target ≤ 1 ms.", "",
-                  "| model | backend | overhead (ms) | per trial | front door besides compute (ms) | direct besides compute "
-                  "(ms) | in the job (ms) | p50 direct / front door / tritonclient (ms) | met | load (1 min) |",
+                  "request. *vs pipe* is the same against (d), which also charges the front door with moving the "
+                  "request's bytes over TCP. In the job = p50 of `Server-Timing` total − compute. Target ≤ 1 ms.", "",
+                  "| model | backend | overhead (ms) | per trial | vs pipe (ms) | front door / direct TCP / direct pipe, "
+                  "besides compute (ms) | in the job (ms) | p50 direct TCP / front door / tritonclient (ms) | met | "
+                  "load (1 min) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for k, v in results["online"].items():
             md = v["median"]
             per_trial = ", ".join(f"{x:.2f}" for x in v["overheads"])
             lines.append(f"| {k} | {v['backend']} | {md['overhead_ms']:.2f} | {per_trial} | "
-                         f"{md['http_noncompute_p50_ms']:.2f} | {md['direct_noncompute_p50_ms']:.2f} | "
-                         f"{md['in_job_p50_ms']:.2f} | {md['direct_p50_ms']:.1f} / {md['http_p50_ms']:.1f} / "
+                         f"{md['overhead_vs_pipe_ms']:.2f} | {md['http_noncompute_p50_ms']:.2f} / "
+                         f"{md['direct_tcp_noncompute_p50_ms']:.2f} / {md['direct_noncompute_p50_ms']:.2f} | "
+                         f"{md['in_job_p50_ms']:.2f} | {md['direct_tcp_p50_ms']:.1f} / {md['http_p50_ms']:.1f} / "
                          f"{md['tritonclient_p50_ms']:.1f} | {'yes' if md['overhead_ms'] <= 1.0 else 'no'} | "
                          f"{v['loadavg'][0]:.1f} |")
         lines.append("")
@@ -651,6 +749,17 @@ def markdown(results: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def _placement(cpus: list[int]) -> dict:
+    """Where the bench puts things, as the agent deploys them: the job process (front door, offline runner)
+    on a housekeeping cpu of its own and the clients on another, when the machine has them; on two cpus
+    the front door shares its cpu with the clients, and the offline runner shares the instances' cpus."""
+    if len(cpus) >= 3:
+        return {"frontdoor_cpu": cpus[0], "instance_cpu": cpus[1], "client_cpu": cpus[2],
+                "offline_job_cpus": [cpus[0]], "offline_instance_cpus": cpus[1:]}
+    return {"frontdoor_cpu": cpus[0], "instance_cpu": cpus[1], "client_cpu": cpus[0],
+            "offline_job_cpus": list(cpus), "offline_instance_cpus": list(cpus)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 trial, few samples")
@@ -701,7 +810,7 @@ def main(argv: list[str] | None = None) -> int:
         offline_layouts={m: (args.layouts.split(",") if args.layouts else ["2x1:b1"] if quick else ["2x1:b1", "1x2:b1"])
                          for m in models},
         backends=args.backends.split(","), ov_compare=not args.no_ov_compare,
-        frontdoor_cpu=_ALL_CPUS[0], instance_cpu=_ALL_CPUS[1], offline=not args.online_only,
+        **_placement(_ALL_CPUS), offline=not args.online_only,
         online=not args.offline_only)
     command = "python bench/serving_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
     results = run(settings, Path(args.out), command.strip())

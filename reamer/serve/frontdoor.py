@@ -209,9 +209,34 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
 
 
 def encode_response(model_name: str, decoded: DecodedRequest, outputs: dict[str, np.ndarray],
-                    model_outputs: list[TensorInfo]) -> tuple[bytes, dict[str, str]]:
-    """Build the v2 response body and headers (binary extension when any output goes binary)."""
+                    model_outputs: list[TensorInfo],
+                    heads: dict[tuple, tuple[bytes, dict[str, str]]] | None = None) -> tuple[bytes, dict[str, str]]:
+    """Build the v2 response body and headers (binary extension when any output goes binary).
+
+    `heads`, when given, caches the encoded JSON part of all-binary responses by output names, shapes and
+    dtypes: the answer is built just after the model ran, when the model's weights have pushed this
+    process's code and data out of the shared cache, and a cache hit skips the JSON encoding there.
+    It belongs to one model signature.
+    """
     wanted = decoded.outputs if decoded.outputs is not None else [(t.name, decoded.binary_default) for t in model_outputs]
+    if heads is not None and wanted and decoded.id is None and all(binary for _, binary in wanted):
+        arrays = [np.asarray(outputs[name]) for name, _ in wanted]
+        key = tuple((name, a.dtype.str, a.shape) for (name, _), a in zip(wanted, arrays))
+        hit = heads.get(key)
+        if hit is None:
+            if len(heads) >= PLAN_CACHE_SIZE:
+                heads.clear()
+            body, headers = _encode(model_name, decoded, outputs, model_outputs, wanted)
+            hit = heads[key] = (body[:int(headers[HEADER_LENGTH])], headers)
+        head, headers = hit
+        blobs = [a.tobytes() if a.dtype.byteorder != ">" and a.flags.c_contiguous
+                 else np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes() for a in arrays]
+        return head + b"".join(blobs), dict(headers)
+    return _encode(model_name, decoded, outputs, model_outputs, wanted)
+
+
+def _encode(model_name: str, decoded: DecodedRequest, outputs: dict[str, np.ndarray],
+            model_outputs: list[TensorInfo], wanted: list[tuple[str, bool]]) -> tuple[bytes, dict[str, str]]:
     types = {t.name: t.datatype for t in model_outputs}
     items, blobs = [], []
     for name, binary in wanted:
@@ -264,7 +289,8 @@ class V2App:
         self.batcher = batcher
         self.platform = platform
         self._plans: dict[bytes, RequestPlan] = {}
-        self._plans_for: object = None  # the signature the cached plans were checked against
+        self._heads: dict[tuple, tuple[bytes, dict[str, str]]] = {}
+        self._plans_for: object = None  # the signature the cached plans and heads were made for
 
     def _signature(self) -> tuple[list[TensorInfo], list[TensorInfo]] | None:
         for w in self.batcher.workers:
@@ -325,7 +351,7 @@ class V2App:
         except ValueError:
             return _error(400, f"{HEADER_LENGTH} {raw_len!r} is not a number")
         if self._plans_for != sig:  # a restarted instance may bring another model
-            self._plans, self._plans_for = {}, sig
+            self._plans, self._heads, self._plans_for = {}, {}, sig
         try:
             decoded = decode_request(body, header_length, *sig, plans=self._plans)
         except BadRequest as exc:
@@ -335,9 +361,12 @@ class V2App:
             outputs = await self.batcher.infer(decoded.inputs, timing)
         except (Overloaded, NotReady, WorkerError) as exc:
             return _error(500 if isinstance(exc, InferenceFailed) else 503, str(exc))
-        content, out_headers = encode_response(self.model_name, decoded, outputs, sig[1])
+        content, out_headers = encode_response(self.model_name, decoded, outputs, sig[1], self._heads)
         out_headers["server-timing"] = server_timing(timing, time.perf_counter() - started)
         return Reply(200, content, out_headers.pop("content-type"), out_headers)
+
+
+_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\nserver: {SERVER_NAME}" for s in HTTPStatus}
 
 
 @dataclass
@@ -478,8 +507,8 @@ class _Connection(asyncio.Protocol):
                 return
 
     def _write(self, reply: Reply, keep_alive: bool) -> None:
-        lines = [f"HTTP/1.1 {reply.status} {HTTPStatus(reply.status).phrase}", f"server: {SERVER_NAME}",
-                 f"content-type: {reply.content_type}", f"content-length: {len(reply.body)}"]
+        lines = [_STATUS_LINES[reply.status], f"content-type: {reply.content_type}",
+                 f"content-length: {len(reply.body)}"]
         lines += [f"{k}: {v}" for k, v in reply.headers.items() if k != "connection"]
         if not keep_alive:
             lines.append("connection: close")

@@ -146,8 +146,19 @@ class _Arena:
             pass
 
 
+# Tensors up to this size go inline in the pipe message: for a few KB (BERT's token ids, most models'
+# outputs) pickling costs less than the arena's per-tensor views and copies.
+INLINE_MAX_BYTES = 64 << 10
+
+
 def _shareable(arrays: dict[str, np.ndarray]) -> bool:
-    return all(getattr(a, "dtype", None) is not None and not a.dtype.hasobject for a in arrays.values())
+    """Worth sending through the arena: plain numeric tensors, more than INLINE_MAX_BYTES in all."""
+    total = 0
+    for a in arrays.values():
+        if getattr(a, "dtype", None) is None or a.dtype.hasobject:
+            return False
+        total += a.nbytes
+    return total > INLINE_MAX_BYTES
 
 
 # ---------------------------------------------------------------- child side

@@ -250,6 +250,31 @@ def test_a_repeated_binary_header_is_decoded_from_the_plan_cache_with_the_same_r
     assert list(plans) == [head]
 
 
+def test_a_repeated_binary_response_reuses_its_encoded_head_byte_for_byte():
+    from reamer.serve.frontdoor import DecodedRequest, encode_response
+    from reamer.serve.tensors import TensorInfo
+
+    outs = [TensorInfo("scores", "FP32", [-1, 3]), TensorInfo("ids", "INT64", [-1])]
+    rng = np.random.default_rng(3)
+    heads = {}
+    binary = DecodedRequest(id=None, inputs={}, outputs=None, binary_default=True)
+    for batch in (2, 2, 5, 2):
+        result = {"scores": rng.standard_normal((batch, 3)).astype(np.float32),
+                  "ids": rng.integers(0, 9, batch).astype(np.int64)}
+        assert encode_response("m", binary, result, outs, heads) == encode_response("m", binary, result, outs)
+    assert len(heads) == 2  # one head per shape
+    # JSON outputs, mixed ones and requests with an id are encoded afresh and not cached
+    for decoded in (DecodedRequest(id=None, inputs={}, outputs=None, binary_default=False),
+                    DecodedRequest(id=None, inputs={}, outputs=[("scores", True), ("ids", False)], binary_default=False),
+                    DecodedRequest(id="7", inputs={}, outputs=None, binary_default=True)):
+        assert encode_response("m", decoded, result, outs, heads) == encode_response("m", decoded, result, outs)
+    assert len(heads) == 2
+    # a header dict handed out is the caller's to change
+    _, headers = encode_response("m", binary, result, outs, heads)
+    headers["server-timing"] = "x"
+    assert "server-timing" not in encode_response("m", binary, result, outs, heads)[1]
+
+
 def _json_body(batch=1):
     feeds = _inputs(batch)
     return {"inputs": [{"name": "x", "shape": [batch, 8], "datatype": "FP32", "data": feeds["x"].ravel().tolist()},

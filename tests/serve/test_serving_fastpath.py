@@ -16,7 +16,7 @@ from reamer.serve.batcher import DynamicBatcher
 from reamer.serve.frontdoor import FrontDoor, V2App
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec
-from reamer.serve.worker import InstanceCrashed, InstanceWorker
+from reamer.serve.worker import INLINE_MAX_BYTES, InstanceCrashed, InstanceWorker, _shareable
 from tests.conftest import wait_for
 
 CPU = sorted(os.sched_getaffinity(0))[-1]
@@ -50,11 +50,20 @@ def test_batches_larger_than_the_shared_arena_grow_it_and_stay_exact(worker, ref
         x = rng.standard_normal((batch, 16)).astype(np.float32)
         got = worker.run({"input": x})["output"]
         np.testing.assert_allclose(got, reference.run({"input": x})["output"], rtol=1e-5)
-    # results are copies: the next batch does not overwrite what the caller holds
-    first = worker.run({"input": np.ones((2, 16), np.float32)})["output"]
-    kept = first.copy()
-    worker.run({"input": np.zeros((2, 16), np.float32)})
-    np.testing.assert_array_equal(first, kept)
+    # results are copies: the next batch does not overwrite what the caller holds, whether they came
+    # inline in the pipe message (small) or through the arena (8000 x 4 float32 = 128 KB out)
+    for batch in (2, 8000):
+        first = worker.run({"input": np.ones((batch, 16), np.float32)})["output"]
+        kept = first.copy()
+        worker.run({"input": np.zeros((batch, 16), np.float32)})
+        np.testing.assert_array_equal(first, kept)
+
+
+def test_small_tensors_go_inline_and_large_ones_through_the_arena():
+    assert not _shareable({"ids": np.zeros((1, 128), np.int64), "mask": np.ones((1, 128), np.int64)})
+    assert _shareable({"image": np.zeros((1, 3, 224, 224), np.float32)})
+    assert not _shareable({"text": np.array(["a"], dtype=object), "image": np.zeros((1, 3, 224, 224), np.float32)})
+    assert _shareable({"x": np.zeros(INLINE_MAX_BYTES // 4 + 1, np.float32)})
 
 
 def test_run_async_matches_and_survives_a_cancelled_call(worker, reference):
