@@ -56,8 +56,6 @@ class Settings:
     frontdoor_cpu: int
     instance_cpu: int
     client_cpu: int
-    offline_job_cpus: list[int]  # the offline job process (runner threads)
-    offline_instance_cpus: list[int]
     offline: bool = True
     online: bool = True
 
@@ -558,19 +556,20 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
                     batch = layout.instances[0].batch
                     files = _write_batches(model, work / "in" / lay, settings.offline_samples[family], batch)
                     bare, ream = Trials(), Trials()
+                    job_cpus, instance_cpus = _offline_placement(layout, _ALL_CPUS)
                     for t in range(settings.trials):  # interleaved, so load drifts hit both alike
-                        bare.values.append(offline_bare(model, backend, layout, settings.offline_instance_cpus,
-                                                        files, work))
+                        bare.values.append(offline_bare(model, backend, layout, instance_cpus, files, work))
                         wd = work / f"job-{backend}-{lay}-{t}"
                         wd.mkdir()
-                        ream.values.append(offline_reamer(model, backend, layout, settings.offline_instance_cpus,
-                                                          work / "in" / lay, wd, settings.offline_job_cpus))
+                        ream.values.append(offline_reamer(model, backend, layout, instance_cpus, work / "in" / lay,
+                                                          wd, job_cpus))
                     ratios = [r / b for r, b in zip(ream.values, bare.values)]
                     key = f"{family}/{backend}/{lay}"
                     results["offline"][key] = {
                         "bare_rps": bare.values, "reamer_rps": ream.values, "bare_median": bare.median,
                         "reamer_median": ream.median, "ratio_median": statistics.median(ratios), "ratios": ratios,
-                        "samples": len(files) * batch, "loadavg": os.getloadavg()}
+                        "samples": len(files) * batch, "loadavg": os.getloadavg(),
+                        "job_cpus": job_cpus, "instance_cpus": instance_cpus[:layout.total_cores]}
                     print(f"offline {key}: bare {bare.median:.2f}/s reamer {ream.median:.2f}/s "
                           f"ratio {statistics.median(ratios):.3f}", flush=True)
             # --- OpenVINO's THROUGHPUT hint on all cpus vs reamer's best layout
@@ -642,20 +641,19 @@ def markdown(results: dict, command: str) -> str:
              "weights; bert-base is the full model (12 layers, seq 128, ≈ 0.3–0.5 s per sample on one core here), "
              "so it runs with few samples at a low rate.", ""]
     if results["offline"]:
-        st = results["settings"]
-        runner = ("shares the instances' cpus (a 2-cpu machine has no housekeeping cpu)"
-                  if st.get("offline_job_cpus") == st.get("offline_instance_cpus") else
-                  f"runs on housekeeping cpu(s) {st.get('offline_job_cpus')}, as the agent places it")
         lines += ["Offline throughput: reamer offline job (OfflineRunner, .npz in/out) vs a bare loop of pinned "
                   "processes calling `backend.run` on the same batches, preloaded in memory, same cpus/threads "
-                  f"(target ≥ 0.95). Instances on cpus {st.get('offline_instance_cpus')}; the job process (reading and "
-                  f"writing files) {runner}.", "",
-                  "| model/backend/layout | bare (samples/s) | reamer (samples/s) | ratio (median) | ratio per trial "
-                  "| met | load (1 min) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "(target ≥ 0.95). The job process (reading and writing the files) runs on a housekeeping cpu of its "
+                  "own, as the agent places it, where the layout leaves one (*runner* column: `own`); else it shares "
+                  "the instances' cpus (`shared`).", "",
+                  "| model/backend/layout | runner | bare (samples/s) | reamer (samples/s) | ratio (median) | "
+                  "ratio per trial | met | load (1 min) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for k, v in results["offline"].items():
             per_trial = ", ".join(f"{r:.2f}" for r in v["ratios"])
-            lines.append(f"| {k} | {v['bare_median']:.2f} | {v['reamer_median']:.2f} | {v['ratio_median']:.3f} | "
+            # (runs before the job cpus were recorded always shared the instances' cpus)
+            runner = "shared" if "job_cpus" not in v or set(v["job_cpus"]) & set(v["instance_cpus"]) else "own"
+            lines.append(f"| {k} | {runner} | {v['bare_median']:.2f} | {v['reamer_median']:.2f} | {v['ratio_median']:.3f} | "
                          f"{per_trial} | {'yes' if v['ratio_median'] >= 0.95 else 'no'} | {v['loadavg'][0]:.1f} |")
         lines += ["", "Both sides run the same number of samples per trial, interleaved trial by trial; the bare "
                   "side's rate is the sum of its instances' own rates, reamer's is its results' completions per second "
@@ -750,14 +748,21 @@ def markdown(results: dict, command: str) -> str:
 
 
 def _placement(cpus: list[int]) -> dict:
-    """Where the bench puts things, as the agent deploys them: the job process (front door, offline runner)
-    on a housekeeping cpu of its own and the clients on another, when the machine has them; on two cpus
-    the front door shares its cpu with the clients, and the offline runner shares the instances' cpus."""
+    """Where the online bench puts things: the front door on a housekeeping cpu of its own and the clients on
+    another, when the machine has them; on two cpus the front door shares its cpu with the clients."""
     if len(cpus) >= 3:
         return {"frontdoor_cpu": cpus[0], "instance_cpu": cpus[1], "client_cpu": cpus[2],
-                "offline_job_cpus": [cpus[0]], "offline_instance_cpus": cpus[1:]}
+        }
     return {"frontdoor_cpu": cpus[0], "instance_cpu": cpus[1], "client_cpu": cpus[0],
-            "offline_job_cpus": list(cpus), "offline_instance_cpus": list(cpus)}
+}
+
+
+def _offline_placement(layout: Layout, cpus: list[int]) -> tuple[list[int], list[int]]:
+    """(job cpus, instance cpus) of an offline run: the job process (reading and writing files) on a
+    housekeeping cpu of its own, as the agent places it, when the layout leaves one; else on all cpus."""
+    if layout.total_cores < len(cpus):
+        return [cpus[0]], cpus[1:]
+    return list(cpus), list(cpus)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -773,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offline-only", action="store_true", help="measure only the offline throughput")
     p.add_argument("--offline-samples", type=int, default=None, help="samples per offline trial (default per model)")
     p.add_argument("--online-requests", type=int, default=None, help="requests per online trial (default per model)")
-    p.add_argument("--layouts", default=None, help="comma-separated offline layouts (default 2x1:b1,1x2:b1)")
+    p.add_argument("--layouts", default=None, help="comma-separated offline layouts (default 2x1:b1,1x2:b1,1x1:b1)")
     p.add_argument("--render", default=None,
                    help="comma-separated serving_overhead.json files of earlier runs: merge them and write the "
                         "section without measuring")
@@ -807,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
                          for m in models},
         online_requests={m: args.online_requests or (15 if quick else {"bert-base": 60, "resnet50": 150}.get(m, 200))
                          for m in models},
-        offline_layouts={m: (args.layouts.split(",") if args.layouts else ["2x1:b1"] if quick else ["2x1:b1", "1x2:b1"])
+        offline_layouts={m: (args.layouts.split(",") if args.layouts else ["2x1:b1"] if quick else ["2x1:b1", "1x2:b1", "1x1:b1"])
                          for m in models},
         backends=args.backends.split(","), ov_compare=not args.no_ov_compare,
         **_placement(_ALL_CPUS), offline=not args.online_only,

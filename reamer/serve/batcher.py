@@ -25,7 +25,7 @@ import numpy as np
 
 from reamer.host.errors import ReamerError
 from reamer.serve.stats import RequestStats
-from reamer.serve.worker import InferenceFailed, InstanceWorker, WorkerError
+from reamer.serve.worker import REPLIED, InferenceFailed, InstanceWorker, WorkerError
 
 
 class Overloaded(ReamerError):
@@ -53,6 +53,7 @@ class _Request:
     arrived: float
     future: asyncio.Future = field(repr=False)
     timing: RequestTiming = field(default_factory=RequestTiming)
+    reply_to: tuple | None = None  # (client socket fd, v2wire.ReplyPlan): the instance may answer itself
 
 
 @dataclass
@@ -183,12 +184,14 @@ class DynamicBatcher:
                 async with self._cond():
                     self._cond().notify_all()
 
-    async def infer(self, inputs: dict[str, np.ndarray],
-                    timing: RequestTiming | None = None) -> dict[str, np.ndarray]:
+    async def infer(self, inputs: dict[str, np.ndarray], timing: RequestTiming | None = None,
+                    reply_to: tuple | None = None) -> dict[str, np.ndarray]:
         """Queue one request (arrays with a leading batch axis) and wait for its outputs; `timing`, when
         given, is filled in with where the time went.
 
-        Raises Overloaded (shed), NotReady (no instance), InstanceCrashed, InferenceFailed.
+        `reply_to` = (client socket fd, v2wire.ReplyPlan): when the request runs in a batch of its own, the
+        instance answers the client itself and this returns worker.REPLIED.
+        Raises Overloaded (shed), NotReady (no instance), InstanceCrashed, InferenceFailed, ReplyBroken.
         """
         arrived = time.monotonic()
         self._note_arrival(arrived)
@@ -209,7 +212,7 @@ class DynamicBatcher:
                     "retry later, lower the request rate, or give the job more cores")
         signature = tuple(sorted((k, v.dtype.str, v.shape[1:]) for k, v in inputs.items()))
         req = _Request(inputs, batch, signature, arrived, asyncio.get_running_loop().create_future(),
-                       timing if timing is not None else RequestTiming())
+                       timing if timing is not None else RequestTiming(), reply_to)
         lane = self._lane_free_now()
         if lane is not None:
             await self._run_directly(lane, req)
@@ -292,13 +295,21 @@ class DynamicBatcher:
         names = list(live[0].inputs)
         batch_inputs = {n: (live[0].inputs[n] if len(live) == 1 else np.concatenate([r.inputs[n] for r in live]))
                         for n in names}
+        reply_to = live[0].reply_to if len(live) == 1 else None
+        if reply_to is not None:
+            reply_to[1].queue_s = live[0].timing.queue_s
         try:
-            outputs = await lane.worker.run_async(batch_inputs, fallback=lane.executor)
+            outputs = await lane.worker.run_async(batch_inputs, fallback=lane.executor, reply_to=reply_to)
         except (WorkerError, Exception) as exc:  # noqa: BLE001 - every failure goes to the waiting clients
             err = exc if isinstance(exc, ReamerError) else InferenceFailed(f"batch failed: {exc}")
             for r in live:
                 if not r.future.done():
                     r.future.set_exception(err)
+            return
+        if outputs is REPLIED:
+            live[0].timing.compute_s = lane.worker.last_backend_s
+            if not live[0].future.done():
+                live[0].future.set_result(REPLIED)
             return
         offset = 0
         for r in live:

@@ -22,13 +22,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import socket
 import sys
 import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from typing import Any
 from urllib.parse import unquote
 
@@ -38,10 +38,9 @@ import numpy as np
 from reamer.host.errors import ReamerError
 from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded, RequestTiming
 from reamer.serve.tensors import TensorInfo, UnsupportedDatatype, numpy_to_v2, v2_to_numpy
-from reamer.serve.worker import InferenceFailed, WorkerError
+from reamer.serve.v2wire import HEADER_LENGTH, SERVER_NAME, ReplyPlan, binary_body, http_head, server_timing
+from reamer.serve.worker import REPLIED, InferenceFailed, ReplyBroken, WorkerError
 
-HEADER_LENGTH = "Inference-Header-Content-Length"
-SERVER_NAME = "reamer"
 SERVER_VERSION = "0.1.0"
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 
@@ -209,35 +208,19 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
 
 
 def encode_response(model_name: str, decoded: DecodedRequest, outputs: dict[str, np.ndarray],
-                    model_outputs: list[TensorInfo],
-                    heads: dict[tuple, tuple[bytes, dict[str, str]]] | None = None) -> tuple[bytes, dict[str, str]]:
+                    model_outputs: list[TensorInfo], heads: dict[tuple, bytes] | None = None) -> tuple[bytes, dict[str, str]]:
     """Build the v2 response body and headers (binary extension when any output goes binary).
 
-    `heads`, when given, caches the encoded JSON part of all-binary responses by output names, shapes and
-    dtypes: the answer is built just after the model ran, when the model's weights have pushed this
-    process's code and data out of the shared cache, and a cache hit skips the JSON encoding there.
-    It belongs to one model signature.
+    `heads` caches the JSON headers of all-binary responses (see `v2wire.binary_body`); it belongs to one
+    model signature.
     """
     wanted = decoded.outputs if decoded.outputs is not None else [(t.name, decoded.binary_default) for t in model_outputs]
-    if heads is not None and wanted and decoded.id is None and all(binary for _, binary in wanted):
-        arrays = [np.asarray(outputs[name]) for name, _ in wanted]
-        key = tuple((name, a.dtype.str, a.shape) for (name, _), a in zip(wanted, arrays))
-        hit = heads.get(key)
-        if hit is None:
-            if len(heads) >= PLAN_CACHE_SIZE:
-                heads.clear()
-            body, headers = _encode(model_name, decoded, outputs, model_outputs, wanted)
-            hit = heads[key] = (body[:int(headers[HEADER_LENGTH])], headers)
-        head, headers = hit
-        blobs = [a.tobytes() if a.dtype.byteorder != ">" and a.flags.c_contiguous
-                 else np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes() for a in arrays]
-        return head + b"".join(blobs), dict(headers)
-    return _encode(model_name, decoded, outputs, model_outputs, wanted)
-
-
-def _encode(model_name: str, decoded: DecodedRequest, outputs: dict[str, np.ndarray],
-            model_outputs: list[TensorInfo], wanted: list[tuple[str, bool]]) -> tuple[bytes, dict[str, str]]:
     types = {t.name: t.datatype for t in model_outputs}
+    if wanted and all(binary for _, binary in wanted):
+        arrays = [np.asarray(outputs[name]) for name, _ in wanted]
+        head, blobs = binary_body(model_name, decoded.id, [(name, types.get(name) or numpy_to_v2(a.dtype), a)
+                                                           for (name, _), a in zip(wanted, arrays)], heads)
+        return head + b"".join(blobs), {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
     items, blobs = [], []
     for name, binary in wanted:
         arr = np.asarray(outputs[name])
@@ -259,18 +242,22 @@ def _encode(model_name: str, decoded: DecodedRequest, outputs: dict[str, np.ndar
     return head + b"".join(blobs), {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
 
 
-def server_timing(timing: RequestTiming, total_s: float) -> str:
-    """The W3C Server-Timing header: queue wait, backend compute and the whole request in the job (ms)."""
-    return (f"queue;dur={timing.queue_s * 1e3:.3f}, compute;dur={timing.compute_s * 1e3:.3f}, "
-            f"total;dur={total_s * 1e3:.3f}")
-
-
 @dataclass
 class Reply:
     status: int
     body: bytes
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
+    sent: bool = False  # an instance already answered the client on its socket
+    close: bool = False  # close the connection without writing (an instance's answer was cut off)
+
+
+@dataclass(frozen=True)
+class ClientSocket:
+    """The connection a request came on, when an instance may answer on it directly."""
+
+    fd: int
+    keep_alive: bool
 
 
 def _json(status: int, doc: Any) -> Reply:
@@ -289,7 +276,7 @@ class V2App:
         self.batcher = batcher
         self.platform = platform
         self._plans: dict[bytes, RequestPlan] = {}
-        self._heads: dict[tuple, tuple[bytes, dict[str, str]]] = {}
+        self._heads: dict[tuple, bytes] = {}
         self._plans_for: object = None  # the signature the cached plans and heads were made for
 
     def _signature(self) -> tuple[list[TensorInfo], list[TensorInfo]] | None:
@@ -302,7 +289,11 @@ class V2App:
         workers = self.batcher.workers
         return bool(workers) and all(w.ready and w.alive for w in workers)
 
-    async def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Reply:
+    async def handle(self, method: str, path: str, headers: dict[str, str], body: bytes,
+                     client: ClientSocket | None = None) -> Reply:
+        """Answer one request. With `client`, an infer request whose outputs all go binary and that runs in
+        a batch of its own is answered by the instance on the client's socket (reply-through): the answer
+        then leaves from the core where the model ran, without a hop back through this process."""
         parts = [p for p in path.split("?", 1)[0].split("/") if p]
         if parts[:1] != ["v2"]:
             return _error(404, f"no endpoint {path}; this server speaks the Open Inference Protocol under /v2")
@@ -340,10 +331,10 @@ class V2App:
             ins, outs = sig
             return _json(200, {"name": self.model_name, "versions": ["1"], "platform": self.platform,
                                "inputs": [t.to_dict() for t in ins], "outputs": [t.to_dict() for t in outs]})
-        return await self._infer(headers, body, sig)
+        return await self._infer(headers, body, sig, client)
 
     async def _infer(self, headers: dict[str, str], body: bytes,
-                     sig: tuple[list[TensorInfo], list[TensorInfo]]) -> Reply:
+                     sig: tuple[list[TensorInfo], list[TensorInfo]], client: ClientSocket | None) -> Reply:
         started = time.perf_counter()
         raw_len = headers.get(HEADER_LENGTH.lower())
         try:
@@ -357,16 +348,32 @@ class V2App:
         except BadRequest as exc:
             return _error(400, str(exc))
         timing = RequestTiming()
+        reply_to = None
+        if client is not None:
+            wanted = decoded.outputs if decoded.outputs is not None else [(t.name, decoded.binary_default)
+                                                                          for t in sig[1]]
+            if wanted and all(binary for _, binary in wanted):
+                types = {t.name: t.datatype for t in sig[1]}
+                # A duplicate, so the socket outlives a client that hangs up while the request waits: the
+                # connection's own descriptor number could by then name another client's connection.
+                reply_to = (os.dup(client.fd), ReplyPlan(self.model_name, decoded.id,
+                                                         [(n, types[n]) for n, _ in wanted], client.keep_alive,
+                                                         started))
         try:
-            outputs = await self.batcher.infer(decoded.inputs, timing)
+            outputs = await self.batcher.infer(decoded.inputs, timing, reply_to)
+        except ReplyBroken as exc:
+            print(f"reamer job: {exc}", file=sys.stderr)
+            return Reply(200, b"", sent=True, close=True)
         except (Overloaded, NotReady, WorkerError) as exc:
             return _error(500 if isinstance(exc, InferenceFailed) else 503, str(exc))
+        finally:
+            if reply_to is not None:
+                os.close(reply_to[0])
+        if outputs is REPLIED:
+            return Reply(200, b"", sent=True)
         content, out_headers = encode_response(self.model_name, decoded, outputs, sig[1], self._heads)
-        out_headers["server-timing"] = server_timing(timing, time.perf_counter() - started)
+        out_headers["server-timing"] = server_timing(timing.queue_s, timing.compute_s, time.perf_counter() - started)
         return Reply(200, content, out_headers.pop("content-type"), out_headers)
-
-
-_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\nserver: {SERVER_NAME}" for s in HTTPStatus}
 
 
 @dataclass
@@ -388,7 +395,9 @@ class _Connection(asyncio.Protocol):
         self.door = door
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
+        self.fd: int | None = None  # the TCP socket, for instances that answer on it directly
         self.pending: deque[_Incoming] = deque()
+        self._owe_continue = False  # a `100 Continue` held back while an earlier request is answered
         self.busy = False
         self._task: asyncio.Task | None = None
         self._paused = False
@@ -412,6 +421,7 @@ class _Connection(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
+            self.fd = sock.fileno()
         self.transport = transport  # type: ignore[assignment]
         self.door.connections.add(self)
 
@@ -446,7 +456,10 @@ class _Connection(asyncio.Protocol):
             if self._headers.get("expect", "").lower() == "100-continue":
                 self._refuse(self._too_large_reply())  # the client waits: it never sends the body
         elif self._headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if self.busy:  # after the answer in progress, which an instance may be writing itself
+                self._owe_continue = True
+            else:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, chunk: bytes) -> None:
         self._size += len(chunk)
@@ -490,9 +503,13 @@ class _Connection(asyncio.Protocol):
                 self._paused = False
                 self.transport.resume_reading()
             self.busy = True
+            keep_alive = incoming.keep_alive and not self.door.stopping
+            client = None
+            if self.fd is not None and self.transport is not None and not self.transport.get_write_buffer_size():
+                client = ClientSocket(self.fd, keep_alive)
             try:
                 reply = incoming.refused or await self.door.app.handle(incoming.method, incoming.path,
-                                                                       incoming.headers, incoming.body)
+                                                                       incoming.headers, incoming.body, client)
             except Exception as exc:  # noqa: BLE001 - one bad request must not take the connection down
                 traceback.print_exc(file=sys.stderr)
                 reply = _error(500, f"internal error while serving {incoming.path}: {exc}")
@@ -501,18 +518,20 @@ class _Connection(asyncio.Protocol):
             keep_alive = incoming.keep_alive and not self.door.stopping
             if self.transport is None:
                 return  # the client went away; its answer has nowhere to go
-            self._write(reply, keep_alive)
+            if reply.close:
+                self.transport.close()
+                return
+            if not reply.sent:
+                self._write(reply, keep_alive)
+            if self._owe_continue:
+                self._owe_continue = False
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             if not keep_alive:
                 self.transport.close()
                 return
 
     def _write(self, reply: Reply, keep_alive: bool) -> None:
-        lines = [_STATUS_LINES[reply.status], f"content-type: {reply.content_type}",
-                 f"content-length: {len(reply.body)}"]
-        lines += [f"{k}: {v}" for k, v in reply.headers.items() if k != "connection"]
-        if not keep_alive:
-            lines.append("connection: close")
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        head = http_head(reply.status, reply.content_type, len(reply.body), reply.headers, keep_alive)
         assert self.transport is not None
         if len(reply.body) < 65536:
             self.transport.write(head + reply.body)

@@ -54,6 +54,18 @@ class InferenceFailed(WorkerError):
     """The backend raised on a batch (the worker itself is fine)."""
 
 
+class ReplyBroken(WorkerError):
+    """The worker began answering the client on its socket and could not finish (it died, or the client
+    stopped reading): the client holds part of a response, so the connection can only be closed."""
+
+
+# run_async's result when the worker answered the client itself (reply-through)
+REPLIED: Any = type("Replied", (), {"__repr__": lambda self: "REPLIED"})()
+
+# How long a worker answering a client itself waits for a client that does not read its response.
+REPLY_TIMEOUT_S = 30.0
+
+
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "exit code unknown"
@@ -151,6 +163,33 @@ class _Arena:
 INLINE_MAX_BYTES = 64 << 10
 
 
+class _Flag:
+    """One shared byte, set by the worker when it starts writing a response to a client: after a crash
+    the parent can tell a request the client got nothing of (503) from a half-sent answer (close)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._map = mmap.mmap(fd, 1)
+
+    @classmethod
+    def create(cls, name: str) -> "_Flag":
+        fd = os.memfd_create(name)
+        os.ftruncate(fd, 1)
+        return cls(fd)
+
+    def set(self, value: bool) -> None:
+        self._map[0] = 1 if value else 0
+
+    def is_set(self) -> bool:
+        return self._map[0] == 1
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
 def _shareable(arrays: dict[str, np.ndarray]) -> bool:
     """Worth sending through the arena: plain numeric tensors, more than INLINE_MAX_BYTES in all."""
     total = 0
@@ -185,11 +224,51 @@ def child_main(argv: list[str]) -> None:
     _worker_main(int(fd), problem, int(threads), backend_kind, model_path, [int(f) for f in arena_fds])
 
 
+def _write_all(fd: int, parts: list[bytes], timeout_s: float) -> None:
+    """Write `parts` to a (non-blocking) socket in gathered writes, waiting while its buffer is full."""
+    import select
+
+    views = [memoryview(p) for p in parts if p]
+    while views:
+        try:
+            n = os.writev(fd, views)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views.pop(0))
+            else:
+                views[0], n = views[0][n:], 0
+        if views and not select.select([], [fd], [], timeout_s)[1]:
+            raise TimeoutError(f"the client read nothing for {timeout_s:.0f} s")
+
+
+def _reply_through(fd: int, plan: Any, outputs: dict[str, Any], elapsed: float, flag: _Flag | None,
+                   heads: dict) -> tuple:
+    """Answer the client on its socket; the message for the parent."""
+    from reamer.serve.v2wire import binary_reply
+
+    try:
+        parts = binary_reply(plan, outputs, elapsed, time.perf_counter(), heads)
+    except Exception:  # noqa: BLE001 - outputs unlike the plan: the job encodes them itself
+        return ("ok", outputs, elapsed)
+    if flag is not None:
+        flag.set(True)
+    try:
+        _write_all(fd, parts, REPLY_TIMEOUT_S)
+    except OSError as exc:  # the client went away or stopped reading: the job closes the connection
+        return ("reply_broken", f"{exc}", elapsed)
+    return ("replied", None, elapsed)
+
+
 def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_path: str,
                  arena_fds: list[int] | None = None) -> None:
     """Body of the worker process, after pinning: open the model, warm up, serve batches from the parent."""
     conn = _Pipe(fd)
-    arenas = [_Arena(f) for f in arena_fds] if arena_fds else None
+    arenas = [_Arena(f) for f in arena_fds[:2]] if arena_fds else None
+    flag = _Flag(arena_fds[2]) if arena_fds and len(arena_fds) > 2 else None
+    fd_sock = socket.socket(fileno=os.dup(fd))  # receives the client sockets of reply-through requests
+    heads: dict = {}
     if problem:
         conn.send(("fatal", problem))
         raise SystemExit(2)
@@ -220,7 +299,12 @@ def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_p
             break  # parent went away
         if msg[0] == "stop":
             break
+        plan = msg[2] if len(msg) > 2 else None
+        client_fd = -1
         try:
+            if plan is not None:  # the client's socket follows the message
+                _, fds, _, _ = socket.recv_fds(fd_sock, 1, 1)
+                client_fd = fds[0]
             if msg[0] == "run_shared":
                 inputs = arenas[0].read(msg[1], copy=False)
             else:
@@ -229,12 +313,18 @@ def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_p
             outputs = backend.run(inputs)
             elapsed = time.perf_counter() - t0
             del inputs  # views of the arena
-            if arenas is not None and _shareable(outputs):
+            reply = _reply_through(client_fd, plan, outputs, elapsed, flag, heads) if plan is not None else None
+            if reply is not None and reply[0] != "ok":
+                conn.send(reply)
+            elif arenas is not None and _shareable(outputs):
                 conn.send(("ok_shared", arenas[1].write(outputs), elapsed))
             else:
                 conn.send(("ok", outputs, elapsed))
         except Exception as exc:  # noqa: BLE001
             conn.send(("error", str(exc)))
+        finally:
+            if client_fd >= 0:
+                os.close(client_fd)
     backend.close()
 
 
@@ -265,12 +355,15 @@ class InstanceWorker:
         self.restarts = 0
         self.batches_run = 0
         self.samples_run = 0
+        self.answered_directly = 0  # batches whose client the worker answered itself (reply-through)
         self.latency_ewma_s: float | None = None
         self.last_backend_s = 0.0  # time of the last batch inside the backend (without the pipe)
         self.batch_ewma = 1.0
         self._proc: Any = None
         self._conn: Any = None
         self._arenas: tuple[_Arena, _Arena] | None = None
+        self._flag: _Flag | None = None
+        self._fd_sock: socket.socket | None = None  # the pipe's socket, to pass client sockets to the worker
         self._unread_replies = 0
         self._crashes: deque[float] = deque()
         self._lock = threading.Lock()
@@ -305,12 +398,15 @@ class InstanceWorker:
                 self._conn.close()
             except OSError:
                 pass
+        if self._fd_sock is not None:
+            self._fd_sock.close()
         parent_sock, child_sock = socket.socketpair()
         cpus = ",".join(str(c) for c in self.spec.cpus)
         if self._arenas is None:
             self._arenas = (_Arena.create(f"reamer-instance-{self.index}-in"),
                             _Arena.create(f"reamer-instance-{self.index}-out"))
-        arena_fds = [a.fd for a in self._arenas]
+            self._flag = _Flag.create(f"reamer-instance-{self.index}-replying")
+        arena_fds = [a.fd for a in self._arenas] + [self._flag.fd]
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(child_sock.fileno()), cpus, self.spec.sched,
@@ -318,8 +414,8 @@ class InstanceWorker:
                 pass_fds=(child_sock.fileno(), *arena_fds), stdin=subprocess.DEVNULL)
         finally:
             child_sock.close()  # so a dead child gives EOF here
-        parent_conn = _Pipe(parent_sock.detach())
-        self._proc, self._conn, self._unread_replies = proc, parent_conn, 0
+        parent_conn = _Pipe(os.dup(parent_sock.fileno()))
+        self._proc, self._conn, self._fd_sock, self._unread_replies = proc, parent_conn, parent_sock, 0
         deadline = time.monotonic() + self.start_timeout_s
         msg = None
         while msg is None:
@@ -374,13 +470,17 @@ class InstanceWorker:
                 self.busy = False
             return self._finish(reply, samples, t0)
 
-    async def run_async(self, inputs: dict[str, np.ndarray],
-                        fallback: ThreadPoolExecutor | None = None) -> dict[str, np.ndarray]:
+    async def run_async(self, inputs: dict[str, np.ndarray], fallback: ThreadPoolExecutor | None = None,
+                        reply_to: tuple[int, Any] | None = None) -> dict[str, np.ndarray]:
         """`run()` from an event loop without handing the batch to a thread and back.
 
         Each hand-off between threads is a wake-up that a loaded core can delay by a scheduling slice;
         here the loop writes the request itself and waits for the reply with `add_reader`. When a
         restart or stop holds the instance, it falls back to `run()` on `fallback`.
+
+        `reply_to` = (client socket fd, v2wire.ReplyPlan): the worker answers the client on that socket
+        itself and this returns REPLIED, or the outputs when it could not (then nothing was sent).
+        ReplyBroken when the worker died or failed after it began writing.
         """
         loop = asyncio.get_running_loop()
         if not self._lock.acquire(blocking=False):
@@ -389,10 +489,14 @@ class InstanceWorker:
             samples, t0 = self._begin(inputs)
             try:
                 try:
-                    self._send(inputs)
+                    self._send(inputs, reply_to)
                     reply = await self._reply(loop)
                 except (EOFError, OSError):
-                    raise self._crashed() from None
+                    crash = self._crashed()
+                    if reply_to is not None and self._flag is not None and self._flag.is_set():
+                        raise ReplyBroken(f"{crash.message}; its answer was cut off",
+                                          "retry the request on a new connection") from None
+                    raise crash from None
             finally:
                 self.busy = False
             return self._finish(reply, samples, t0)
@@ -420,20 +524,26 @@ class InstanceWorker:
         self.busy = True
         return _batch_of(inputs), time.perf_counter()
 
-    def _send(self, inputs: dict[str, np.ndarray]) -> None:
+    def _send(self, inputs: dict[str, np.ndarray], reply_to: tuple[int, Any] | None = None) -> None:
         while self._unread_replies:
             self._conn.recv()
             self._unread_replies -= 1
+        plan = None
+        if reply_to is not None:
+            plan = reply_to[1]
+            self._flag.set(False)
         if _shareable(inputs):
-            self._conn.send(("run_shared", self._arenas[0].write(inputs)))
+            self._conn.send(("run_shared", self._arenas[0].write(inputs), plan))
         else:
-            self._conn.send(("run", inputs))
+            self._conn.send(("run", inputs, plan))
+        if reply_to is not None:
+            socket.send_fds(self._fd_sock, [b"F"], [reply_to[0]])
 
     def _finish(self, reply: tuple, samples: int, t0: float) -> dict[str, np.ndarray]:
         status, payload, *timing = reply
         if status == "ok_shared":
             status, payload = "ok", self._arenas[1].read(payload, copy=True)
-        if status != "ok":
+        if status not in ("ok", "replied", "reply_broken"):
             raise InferenceFailed(f"instance {self.index} could not run the batch: {payload}",
                                   "check the input shapes and dtypes against GET /v2/models/<name>")
         elapsed = time.perf_counter() - t0
@@ -443,6 +553,12 @@ class InstanceWorker:
         a = 0.3
         self.latency_ewma_s = elapsed if self.latency_ewma_s is None else (1 - a) * self.latency_ewma_s + a * elapsed
         self.batch_ewma = (1 - a) * self.batch_ewma + a * samples
+        if status == "reply_broken":
+            raise ReplyBroken(f"instance {self.index} could not finish its answer to the client: {payload}",
+                              "retry the request on a new connection, and read responses as they come")
+        if status == "replied":
+            self.answered_directly += 1
+            return REPLIED
         return payload
 
     def _crashed(self) -> WorkerError:
@@ -532,14 +648,15 @@ class InstanceWorker:
         if proc.poll() is None:
             proc.kill()
             _reap(proc)
-        try:
-            self._conn.close()
-        except OSError:
-            pass
+        for closable in (self._conn, self._fd_sock):
+            try:
+                closable.close()
+            except OSError:
+                pass
         if self._stopping.is_set() and self._arenas is not None:
-            for arena in self._arenas:
-                arena.close()
-            self._arenas = None
+            for shared in (*self._arenas, self._flag):
+                shared.close()
+            self._arenas = self._flag = None
 
 
 def _reap(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
