@@ -25,7 +25,7 @@ import numpy as np
 
 from reamer.host.errors import ReamerError
 from reamer.serve.stats import RequestStats
-from reamer.serve.worker import REPLIED, InferenceFailed, InstanceWorker, WorkerError
+from reamer.serve.worker import InferenceFailed, InstanceWorker, Replied, WorkerError
 
 
 class Overloaded(ReamerError):
@@ -190,7 +190,7 @@ class DynamicBatcher:
         given, is filled in with where the time went.
 
         `reply_to` = (client socket fd, v2wire.ReplyPlan): when the request runs in a batch of its own, the
-        instance answers the client itself and this returns worker.REPLIED.
+        instance answers the client itself and this returns a worker.Replied.
         Raises Overloaded (shed), NotReady (no instance), InstanceCrashed, InferenceFailed, ReplyBroken.
         """
         arrived = time.monotonic()
@@ -306,10 +306,10 @@ class DynamicBatcher:
                 if not r.future.done():
                     r.future.set_exception(err)
             return
-        if outputs is REPLIED:
+        if isinstance(outputs, Replied):
             live[0].timing.compute_s = lane.worker.last_backend_s
             if not live[0].future.done():
-                live[0].future.set_result(REPLIED)
+                live[0].future.set_result(outputs)
             return
         offset = 0
         for r in live:

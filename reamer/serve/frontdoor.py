@@ -39,7 +39,7 @@ from reamer.host.errors import ReamerError
 from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded, RequestTiming
 from reamer.serve.tensors import TensorInfo, UnsupportedDatatype, numpy_to_v2, v2_to_numpy
 from reamer.serve.v2wire import HEADER_LENGTH, SERVER_NAME, ReplyPlan, binary_body, http_head, server_timing
-from reamer.serve.worker import REPLIED, InferenceFailed, ReplyBroken, WorkerError
+from reamer.serve.worker import InferenceFailed, Replied, ReplyBroken, WorkerError
 
 SERVER_VERSION = "0.1.0"
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
@@ -248,7 +248,7 @@ class Reply:
     body: bytes
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
-    sent: bool = False  # an instance already answered the client on its socket
+    sent: bool = False  # an instance answered the client on its socket; `body` is the unsent rest
     close: bool = False  # close the connection without writing (an instance's answer was cut off)
 
 
@@ -352,8 +352,8 @@ class V2App:
         if client is not None:
             wanted = decoded.outputs if decoded.outputs is not None else [(t.name, decoded.binary_default)
                                                                           for t in sig[1]]
-            if wanted and all(binary for _, binary in wanted):
-                types = {t.name: t.datatype for t in sig[1]}
+            types = {t.name: t.datatype for t in sig[1]}
+            if wanted and all(binary and types[name] != "BYTES" for name, binary in wanted):
                 # A duplicate, so the socket outlives a client that hangs up while the request waits: the
                 # connection's own descriptor number could by then name another client's connection.
                 reply_to = (os.dup(client.fd), ReplyPlan(self.model_name, decoded.id,
@@ -369,8 +369,8 @@ class V2App:
         finally:
             if reply_to is not None:
                 os.close(reply_to[0])
-        if outputs is REPLIED:
-            return Reply(200, b"", sent=True)
+        if isinstance(outputs, Replied):
+            return Reply(200, outputs.tail, sent=True)  # the job sends what the client's socket did not take
         content, out_headers = encode_response(self.model_name, decoded, outputs, sig[1], self._heads)
         out_headers["server-timing"] = server_timing(timing.queue_s, timing.compute_s, time.perf_counter() - started)
         return Reply(200, content, out_headers.pop("content-type"), out_headers)
@@ -456,7 +456,7 @@ class _Connection(asyncio.Protocol):
             if self._headers.get("expect", "").lower() == "100-continue":
                 self._refuse(self._too_large_reply())  # the client waits: it never sends the body
         elif self._headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
-            if self.busy:  # after the answer in progress, which an instance may be writing itself
+            if self.busy or self.pending:  # after the answers due before it (an instance may be writing one)
                 self._owe_continue = True
             else:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -523,7 +523,9 @@ class _Connection(asyncio.Protocol):
                 return
             if not reply.sent:
                 self._write(reply, keep_alive)
-            if self._owe_continue:
+            elif reply.body:
+                self.transport.write(reply.body)
+            if self._owe_continue and not self.pending:
                 self._owe_continue = False
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             if not keep_alive:

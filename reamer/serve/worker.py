@@ -59,11 +59,13 @@ class ReplyBroken(WorkerError):
     stopped reading): the client holds part of a response, so the connection can only be closed."""
 
 
-# run_async's result when the worker answered the client itself (reply-through)
-REPLIED: Any = type("Replied", (), {"__repr__": lambda self: "REPLIED"})()
+class Replied:
+    """run_async's result when the worker answered the client itself (reply-through). `tail`: the end of
+    the answer that the client's socket did not take at once, for the job to send (the worker never
+    waits for a slow reader: that would hold the instance)."""
 
-# How long a worker answering a client itself waits for a client that does not read its response.
-REPLY_TIMEOUT_S = 30.0
+    def __init__(self, tail: bytes = b"") -> None:
+        self.tail = tail
 
 
 def describe_exit(code: int | None) -> str:
@@ -224,23 +226,22 @@ def child_main(argv: list[str]) -> None:
     _worker_main(int(fd), problem, int(threads), backend_kind, model_path, [int(f) for f in arena_fds])
 
 
-def _write_all(fd: int, parts: list[bytes], timeout_s: float) -> None:
-    """Write `parts` to a (non-blocking) socket in gathered writes, waiting while its buffer is full."""
-    import select
-
+def _write_now(fd: int, parts: list[bytes]) -> bytes:
+    """Write what a (non-blocking) socket takes of `parts` now, in gathered writes; the rest."""
     views = [memoryview(p) for p in parts if p]
     while views:
         try:
             n = os.writev(fd, views)
-        except (BlockingIOError, InterruptedError):
-            n = 0
+        except InterruptedError:
+            continue
+        except BlockingIOError:
+            break
         while n and views:
             if n >= len(views[0]):
                 n -= len(views.pop(0))
             else:
                 views[0], n = views[0][n:], 0
-        if views and not select.select([], [fd], [], timeout_s)[1]:
-            raise TimeoutError(f"the client read nothing for {timeout_s:.0f} s")
+    return b"".join(views)
 
 
 def _reply_through(fd: int, plan: Any, outputs: dict[str, Any], elapsed: float, flag: _Flag | None,
@@ -255,10 +256,10 @@ def _reply_through(fd: int, plan: Any, outputs: dict[str, Any], elapsed: float, 
     if flag is not None:
         flag.set(True)
     try:
-        _write_all(fd, parts, REPLY_TIMEOUT_S)
-    except OSError as exc:  # the client went away or stopped reading: the job closes the connection
+        tail = _write_now(fd, parts)
+    except OSError as exc:  # the client went away: the job closes the connection
         return ("reply_broken", f"{exc}", elapsed)
-    return ("replied", None, elapsed)
+    return ("replied", tail, elapsed)
 
 
 def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_path: str,
@@ -479,7 +480,7 @@ class InstanceWorker:
         restart or stop holds the instance, it falls back to `run()` on `fallback`.
 
         `reply_to` = (client socket fd, v2wire.ReplyPlan): the worker answers the client on that socket
-        itself and this returns REPLIED, or the outputs when it could not (then nothing was sent).
+        itself and this returns a Replied, or the outputs when it could not (then nothing was sent).
         ReplyBroken when the worker died or failed after it began writing.
         """
         loop = asyncio.get_running_loop()
@@ -525,19 +526,22 @@ class InstanceWorker:
         return _batch_of(inputs), time.perf_counter()
 
     def _send(self, inputs: dict[str, np.ndarray], reply_to: tuple[int, Any] | None = None) -> None:
+        if reply_to is not None:
+            self._flag.set(False)  # before anything can fail: a crash from here on is a clean 503
         while self._unread_replies:
             self._conn.recv()
             self._unread_replies -= 1
-        plan = None
-        if reply_to is not None:
-            plan = reply_to[1]
-            self._flag.set(False)
+        plan = reply_to[1] if reply_to is not None else None
         if _shareable(inputs):
             self._conn.send(("run_shared", self._arenas[0].write(inputs), plan))
         else:
             self._conn.send(("run", inputs, plan))
         if reply_to is not None:
-            socket.send_fds(self._fd_sock, [b"F"], [reply_to[0]])
+            try:
+                socket.send_fds(self._fd_sock, [b"F"], [reply_to[0]])
+            except OSError:
+                self._proc.kill()  # it has the message and would wait for the socket for ever
+                raise
 
     def _finish(self, reply: tuple, samples: int, t0: float) -> dict[str, np.ndarray]:
         status, payload, *timing = reply
@@ -558,7 +562,7 @@ class InstanceWorker:
                               "retry the request on a new connection, and read responses as they come")
         if status == "replied":
             self.answered_directly += 1
-            return REPLIED
+            return Replied(payload)
         return payload
 
     def _crashed(self) -> WorkerError:

@@ -390,7 +390,7 @@ def test_all_binary_answers_come_from_the_instance_in_order_with_pipelining(serv
     assert r.status_code == 200 and served.worker.answered_directly == before + 2
 
 
-def test_an_instance_answer_keeps_connection_close_and_waits_for_a_slow_reader(served, reference):
+def test_an_instance_answer_keeps_connection_close_and_leaves_a_slow_readers_rest_to_the_job(served, reference):
     import socket
     import time
 
@@ -414,6 +414,32 @@ def test_an_instance_answer_keeps_connection_close_and_waits_for_a_slow_reader(s
     want = reference.run(feeds)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5)
+
+
+def test_a_pipelined_100_continue_comes_after_the_answer_before_it(served):
+    import socket
+
+    first = _binary_request(_inputs(1, seed=4))
+    body = json.dumps(_json_body()).encode()
+    second_head = (f"POST /v2/models/mio/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n").encode()
+    host, port = served.url.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(first + second_head)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += s.recv(1 << 16)
+        assert buf.startswith(b"HTTP/1.1 200 OK")  # the first answer, not the 100 for the second
+        head, _, buf = buf.partition(b"\r\n\r\n")
+        length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+        while len(buf) < length + len(b"HTTP/1.1 100 Continue\r\n\r\n"):
+            buf += s.recv(1 << 16)
+        assert buf[length:].startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        s.sendall(body)
+        rest = buf[length + len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+        while b"\r\n\r\n" not in rest:
+            rest += s.recv(1 << 16)
+        assert rest.startswith(b"HTTP/1.1 200 OK")
 
 
 def test_worker_killed_during_an_instance_answered_request_gives_503(served):
