@@ -217,7 +217,7 @@ def test_job_with_a_bad_file_finishes_the_rest_then_fails_naming_it(models, tmp_
 
 
 def test_sighup_adds_an_instance_to_a_running_offline_job(models, tmp_path):
-    _tiny_inputs(tmp_path / "in", 30)
+    _tiny_inputs(tmp_path / "in", 400)  # many: the first instance must not finish them before it is stopped
     spec_path = _job_spec(tmp_path, models["tiny"])
     out = tmp_path / "out"
     job = _start_job(spec_path)
