@@ -7,6 +7,8 @@ Infer takes JSON tensors and the binary tensor data extension: when the request 
 follow, in input order, for every input with `parameters.binary_data_size`. Outputs go back binary
 when the requested output says `parameters.binary_data: true`, or the request says
 `parameters.binary_data_output: true`; the response then carries the same header.
+An infer request whose outputs all go binary and that runs in a batch of its own is answered by its
+instance on the client's socket (reply-through, see `V2App.handle` and `v2wire`); the rest by this process.
 Errors are `{"error": "message"}`: 400 bad input, 404 unknown model or path, 405 wrong method,
 413 request too large, 503 overloaded / not ready. Every infer response carries a W3C `Server-Timing`
 header: queue wait, backend compute and the whole time in the job (ms).

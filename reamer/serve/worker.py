@@ -56,7 +56,7 @@ class InferenceFailed(WorkerError):
 
 class ReplyBroken(WorkerError):
     """The worker began answering the client on its socket and could not finish (it died, or the client
-    stopped reading): the client holds part of a response, so the connection can only be closed."""
+    went away): the client holds part of a response, so the connection can only be closed."""
 
 
 class Replied:
@@ -210,9 +210,10 @@ _BOOTSTRAP = "import sys; from reamer.serve.worker import child_main; child_main
 
 
 def child_main(argv: list[str]) -> None:
-    """Worker process entry: argv = [fd, cpus "0,1", sched, threads, backend, model path, in fd, out fd]."""
+    """Worker process entry: argv = [fd, cpus "0,1", sched, threads, backend, model path, in-arena fd,
+    out-arena fd, reply flag fd]."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C on the job's terminal: the job stops its workers
-    fd, cpu_list, sched, threads, backend_kind, model_path, *arena_fds = argv
+    fd, cpu_list, sched, threads, backend_kind, model_path, *shared_fds = argv
     from reamer.host.sched import set_affinity, set_idle_policy  # light: os and pathlib only
 
     cpus = [int(c) for c in cpu_list.split(",")]
@@ -223,7 +224,7 @@ def child_main(argv: list[str]) -> None:
             set_idle_policy(0)
     except ReamerError as exc:
         problem = f"cannot place the worker (cpus {cpus}, sched {sched}): {exc}"
-    _worker_main(int(fd), problem, int(threads), backend_kind, model_path, [int(f) for f in arena_fds])
+    _worker_main(int(fd), problem, int(threads), backend_kind, model_path, [int(f) for f in shared_fds])
 
 
 def _write_now(fd: int, parts: list[bytes]) -> bytes:
@@ -263,11 +264,11 @@ def _reply_through(fd: int, plan: Any, outputs: dict[str, Any], elapsed: float, 
 
 
 def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_path: str,
-                 arena_fds: list[int] | None = None) -> None:
+                 shared_fds: list[int] | None = None) -> None:
     """Body of the worker process, after pinning: open the model, warm up, serve batches from the parent."""
     conn = _Pipe(fd)
-    arenas = [_Arena(f) for f in arena_fds[:2]] if arena_fds else None
-    flag = _Flag(arena_fds[2]) if arena_fds and len(arena_fds) > 2 else None
+    arenas = [_Arena(f) for f in shared_fds[:2]] if shared_fds else None
+    flag = _Flag(shared_fds[2]) if shared_fds and len(shared_fds) > 2 else None
     fd_sock = socket.socket(fileno=os.dup(fd))  # receives the client sockets of reply-through requests
     heads: dict = {}
     if problem:
@@ -407,12 +408,12 @@ class InstanceWorker:
             self._arenas = (_Arena.create(f"reamer-instance-{self.index}-in"),
                             _Arena.create(f"reamer-instance-{self.index}-out"))
             self._flag = _Flag.create(f"reamer-instance-{self.index}-replying")
-        arena_fds = [a.fd for a in self._arenas] + [self._flag.fd]
+        shared_fds = [a.fd for a in self._arenas] + [self._flag.fd]
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(child_sock.fileno()), cpus, self.spec.sched,
-                 str(self.spec.threads), self.backend, self.model_path, *map(str, arena_fds)],
-                pass_fds=(child_sock.fileno(), *arena_fds), stdin=subprocess.DEVNULL)
+                 str(self.spec.threads), self.backend, self.model_path, *map(str, shared_fds)],
+                pass_fds=(child_sock.fileno(), *shared_fds), stdin=subprocess.DEVNULL)
         finally:
             child_sock.close()  # so a dead child gives EOF here
         parent_conn = _Pipe(os.dup(parent_sock.fileno()))
