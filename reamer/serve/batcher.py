@@ -45,7 +45,7 @@ class RequestTiming:
     compute_s: float = 0.0
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: queue.remove() must not compare the tensors
 class _Request:
     inputs: dict[str, np.ndarray]
     batch: int

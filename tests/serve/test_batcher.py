@@ -173,3 +173,20 @@ def test_removing_an_instance_finishes_its_in_flight_batch(models, make_worker):
     out, b = asyncio.run(main())
     assert out["output"].shape == (2, 4)
     assert not w.alive and b.workers == []
+
+
+def test_a_batch_skips_a_request_too_large_for_it_and_takes_the_ones_behind():
+    """Regression: taking requests from behind a skipped one compared requests (and so their tensors)
+    for equality, which raised inside the instance's serving loop and stopped it."""
+    from reamer.serve.batcher import _Request
+
+    async def main():
+        b = DynamicBatcher(slo_ms=None)
+        loop = asyncio.get_running_loop()
+        reqs = [_Request({"x": np.full((n, 4), float(i), np.float32)}, n, ("x",), 0.0, loop.create_future())
+                for i, n in enumerate((1, 2, 1))]
+        b._queue.extend(reqs)
+        return reqs, b._take(2), b._queue
+
+    reqs, taken, left = asyncio.run(main())
+    assert taken == [reqs[0], reqs[2]] and left == [reqs[1]]

@@ -416,6 +416,54 @@ def test_an_instance_answer_keeps_connection_close_and_leaves_a_slow_readers_res
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5)
 
 
+def test_concurrent_binary_and_json_clients_each_get_their_own_answers(served, reference):
+    """Batched requests are answered by the job, lone ones by the instance: under concurrency on keep-alive
+    connections, every client still gets exactly its own answers, in order."""
+    import socket
+
+    def client(seed: int) -> int:
+        host, port = served.url.split(":")
+        checked = 0
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            for i in range(15):
+                feeds = _inputs(1 + (seed + i) % 3, seed=seed * 100 + i)
+                s.sendall(_binary_request(feeds))
+                buf = b""
+                while b"\r\n\r\n" not in buf:
+                    chunk = s.recv(1 << 16)
+                    assert chunk, "connection closed"
+                    buf += chunk
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+                while len(buf) < int(headers["content-length"]):
+                    buf += s.recv(1 << 16)
+                assert lines[0].startswith("HTTP/1.1 200") and len(buf) == int(headers["content-length"])
+                got, want = _binary_outputs(headers, buf), reference.run(feeds)
+                for name in want:
+                    np.testing.assert_allclose(got[name], want[name], rtol=1e-5)
+                checked += 1
+        return checked
+
+    def json_client(seed: int) -> int:
+        with httpx.Client(base_url=f"http://{served.url}", timeout=60) as c:
+            for i in range(10):
+                batch = 1 + i % 2
+                r = c.post("/v2/models/mio/infer", json=_json_body(batch))
+                assert r.status_code == 200
+                out = {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in r.json()["outputs"]}
+                want = reference.run(_inputs(batch))
+                for name in want:
+                    np.testing.assert_allclose(out[name], want[name], rtol=1e-5)
+        return 10
+
+    before = served.worker.answered_directly
+    with ThreadPoolExecutor(6) as pool:
+        done = [f.result() for f in [pool.submit(client, k) for k in range(4)] + [pool.submit(json_client, k) for k in range(2)]]
+    assert done == [15] * 4 + [10] * 2
+    assert served.worker.answered_directly > before  # some lone binary requests went through the instance
+
+
 def test_a_pipelined_100_continue_comes_after_the_answer_before_it(served):
     import socket
 
