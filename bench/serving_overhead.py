@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -318,8 +320,6 @@ class _PlainClient:
     read by its Content-Length. What it measures is the server's time plus the loopback transfer."""
 
     def __init__(self, port: int, path: str, body: bytes, headers: dict[str, str]) -> None:
-        import socket
-
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self.request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}Content-Length: {len(body)}\r\n\r\n"
                         ).encode() + body
@@ -355,8 +355,6 @@ class _TensorClient:
     output bytes. The least any network server in front of the model must move."""
 
     def __init__(self, port: int, inputs: dict[str, np.ndarray]) -> None:
-        import socket
-
         self.request = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values())
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -373,8 +371,6 @@ class _TensorClient:
 
     def call(self) -> float:
         """One inference; the server's compute time (ms)."""
-        import struct
-
         self.sock.sendall(self.request)
         took, size = struct.unpack("<dI", self._exactly(12))
         self._exactly(size)
@@ -417,7 +413,7 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
     """
     try:
         import tritonclient.http as triton
-    except ImportError:  # the test extra is not installed: measure (a) and (c) only
+    except ImportError:  # the test extra is not installed: no tritonclient column
         triton = None
 
     run_dir = work / "run"

@@ -40,7 +40,8 @@ import numpy as np
 from reamer.host.errors import ReamerError
 from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded, RequestTiming
 from reamer.serve.tensors import TensorInfo, UnsupportedDatatype, numpy_to_v2, v2_to_numpy
-from reamer.serve.v2wire import HEADER_LENGTH, SERVER_NAME, ReplyPlan, binary_body, http_head, server_timing
+from reamer.serve.v2wire import (HEADER_LENGTH, SERVER_NAME, ReplyPlan, binary_body, http_head, le_bytes,
+                                  server_timing)
 from reamer.serve.worker import InferenceFailed, Replied, ReplyBroken, WorkerError
 
 SERVER_VERSION = "0.1.0"
@@ -58,6 +59,12 @@ class DecodedRequest:
     # (name, binary) per requested output; None = all outputs
     outputs: list[tuple[str, bool]] | None
     binary_default: bool
+
+    def wanted(self, model_outputs: list[TensorInfo]) -> list[tuple[str, bool]]:
+        """(name, binary) of every output to answer with, in answer order."""
+        if self.outputs is not None:
+            return self.outputs
+        return [(t.name, self.binary_default) for t in model_outputs]
 
 
 @dataclass(frozen=True)
@@ -216,7 +223,7 @@ def encode_response(model_name: str, decoded: DecodedRequest, outputs: dict[str,
     `heads` caches the JSON headers of all-binary responses (see `v2wire.binary_body`); it belongs to one
     model signature.
     """
-    wanted = decoded.outputs if decoded.outputs is not None else [(t.name, decoded.binary_default) for t in model_outputs]
+    wanted = decoded.wanted(model_outputs)
     types = {t.name: t.datatype for t in model_outputs}
     if wanted and all(binary for _, binary in wanted):
         arrays = [np.asarray(outputs[name]) for name, _ in wanted]
@@ -229,7 +236,7 @@ def encode_response(model_name: str, decoded: DecodedRequest, outputs: dict[str,
         entry: dict[str, Any] = {"name": name, "datatype": types.get(name) or numpy_to_v2(arr.dtype),
                                  "shape": list(arr.shape)}
         if binary:
-            raw = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+            raw = le_bytes(arr)
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
@@ -352,8 +359,7 @@ class V2App:
         timing = RequestTiming()
         reply_to = None
         if client is not None:
-            wanted = decoded.outputs if decoded.outputs is not None else [(t.name, decoded.binary_default)
-                                                                          for t in sig[1]]
+            wanted = decoded.wanted(sig[1])
             types = {t.name: t.datatype for t in sig[1]}
             if wanted and all(binary and types[name] != "BYTES" for name, binary in wanted):
                 # A duplicate, so the socket outlives a client that hangs up while the request waits: the

@@ -50,6 +50,15 @@ def server_timing(queue_s: float, compute_s: float, total_s: float) -> str:
     return f"queue;dur={queue_s * 1e3:.3f}, compute;dur={compute_s * 1e3:.3f}, total;dur={total_s * 1e3:.3f}"
 
 
+def le_bytes(a: np.ndarray) -> bytes:
+    """The raw bytes of a tensor, C order, little-endian (what the binary extension carries)."""
+    import numpy as np
+
+    if a.dtype.byteorder != ">" and a.flags.c_contiguous:
+        return a.tobytes()
+    return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
+
+
 def binary_body(model_name: str, request_id: str | None, outputs: list[tuple[str, str, np.ndarray]],
                 heads: dict[tuple, bytes] | None = None) -> tuple[bytes, list[bytes]]:
     """The JSON header and the raw little-endian bytes of each output, for outputs all sent binary.
@@ -57,10 +66,7 @@ def binary_body(model_name: str, request_id: str | None, outputs: list[tuple[str
     `heads`, when given, caches JSON headers of requests without an id by output names, types and shapes:
     a hit skips the JSON encoding, which runs just after the model when this process's caches are cold.
     """
-    import numpy as np
-
-    blobs = [a.tobytes() if a.dtype.byteorder != ">" and a.flags.c_contiguous
-             else np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes() for _, _, a in outputs]
+    blobs = [le_bytes(a) for _, _, a in outputs]
     key = None
     if heads is not None and request_id is None:
         key = tuple((name, datatype, a.shape) for name, datatype, a in outputs)

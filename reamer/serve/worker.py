@@ -20,11 +20,13 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable
 
 from reamer.host.errors import ReamerError
 from reamer.serve.spec import InstanceSpec, append_event
+from reamer.serve.v2wire import binary_reply  # light (json, http); numpy only inside its functions
 
 if TYPE_CHECKING:
     import numpy as np
@@ -59,13 +61,13 @@ class ReplyBroken(WorkerError):
     went away): the client holds part of a response, so the connection can only be closed."""
 
 
+@dataclass
 class Replied:
     """run_async's result when the worker answered the client itself (reply-through). `tail`: the end of
     the answer that the client's socket did not take at once, for the job to send (the worker never
     waits for a slow reader: that would hold the instance)."""
 
-    def __init__(self, tail: bytes = b"") -> None:
-        self.tail = tail
+    tail: bytes = b""
 
 
 def describe_exit(code: int | None) -> str:
@@ -165,31 +167,15 @@ class _Arena:
 INLINE_MAX_BYTES = 64 << 10
 
 
-class _Flag:
+class _Flag(_Arena):
     """One shared byte, set by the worker when it starts writing a response to a client: after a crash
     the parent can tell a request the client got nothing of (503) from a half-sent answer (close)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._map = mmap.mmap(fd, 1)
-
-    @classmethod
-    def create(cls, name: str) -> "_Flag":
-        fd = os.memfd_create(name)
-        os.ftruncate(fd, 1)
-        return cls(fd)
 
     def set(self, value: bool) -> None:
         self._map[0] = 1 if value else 0
 
     def is_set(self) -> bool:
         return self._map[0] == 1
-
-    def close(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
 
 
 def _shareable(arrays: dict[str, np.ndarray]) -> bool:
@@ -245,17 +231,14 @@ def _write_now(fd: int, parts: list[bytes]) -> bytes:
     return b"".join(views)
 
 
-def _reply_through(fd: int, plan: Any, outputs: dict[str, Any], elapsed: float, flag: _Flag | None,
+def _reply_through(fd: int, plan: Any, outputs: dict[str, Any], elapsed: float, flag: _Flag,
                    heads: dict) -> tuple:
     """Answer the client on its socket; the message for the parent."""
-    from reamer.serve.v2wire import binary_reply
-
     try:
         parts = binary_reply(plan, outputs, elapsed, time.perf_counter(), heads)
     except Exception:  # noqa: BLE001 - outputs unlike the plan: the job encodes them itself
         return ("ok", outputs, elapsed)
-    if flag is not None:
-        flag.set(True)
+    flag.set(True)
     try:
         tail = _write_now(fd, parts)
     except OSError as exc:  # the client went away: the job closes the connection
@@ -264,11 +247,10 @@ def _reply_through(fd: int, plan: Any, outputs: dict[str, Any], elapsed: float, 
 
 
 def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_path: str,
-                 shared_fds: list[int] | None = None) -> None:
+                 shared_fds: list[int]) -> None:
     """Body of the worker process, after pinning: open the model, warm up, serve batches from the parent."""
     conn = _Pipe(fd)
-    arenas = [_Arena(f) for f in shared_fds[:2]] if shared_fds else None
-    flag = _Flag(shared_fds[2]) if shared_fds and len(shared_fds) > 2 else None
+    in_arena, out_arena, flag = _Arena(shared_fds[0]), _Arena(shared_fds[1]), _Flag(shared_fds[2])
     fd_sock = socket.socket(fileno=os.dup(fd))  # receives the client sockets of reply-through requests
     heads: dict = {}
     if problem:
@@ -308,7 +290,7 @@ def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_p
                 _, fds, _, _ = socket.recv_fds(fd_sock, 1, 1)
                 client_fd = fds[0]
             if msg[0] == "run_shared":
-                inputs = arenas[0].read(msg[1], copy=False)
+                inputs = in_arena.read(msg[1], copy=False)
             else:
                 inputs = msg[1]
             t0 = time.perf_counter()
@@ -318,8 +300,8 @@ def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_p
             reply = _reply_through(client_fd, plan, outputs, elapsed, flag, heads) if plan is not None else None
             if reply is not None and reply[0] != "ok":
                 conn.send(reply)
-            elif arenas is not None and _shareable(outputs):
-                conn.send(("ok_shared", arenas[1].write(outputs), elapsed))
+            elif _shareable(outputs):
+                conn.send(("ok_shared", out_arena.write(outputs), elapsed))
             else:
                 conn.send(("ok", outputs, elapsed))
         except Exception as exc:  # noqa: BLE001
@@ -407,7 +389,7 @@ class InstanceWorker:
         if self._arenas is None:
             self._arenas = (_Arena.create(f"reamer-instance-{self.index}-in"),
                             _Arena.create(f"reamer-instance-{self.index}-out"))
-            self._flag = _Flag.create(f"reamer-instance-{self.index}-replying")
+            self._flag = _Flag.create(f"reamer-instance-{self.index}-replying", size=1)
         shared_fds = [a.fd for a in self._arenas] + [self._flag.fd]
         try:
             proc = subprocess.Popen(

@@ -277,6 +277,23 @@ def _json_body(batch=1):
                        {"name": "ids", "shape": [batch, 4], "datatype": "INT64", "data": feeds["ids"].ravel().tolist()}]}
 
 
+def _read_response(s, buf: bytes = b""):
+    """One HTTP response from socket `s` (after the bytes already in `buf`), read by its Content-Length:
+    (status line, headers, body, the bytes after it); None when the connection closes first."""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(1 << 16)
+        if not chunk:
+            return None
+        buf += chunk
+    head, _, buf = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    need = int(headers.get("content-length", "0"))
+    while len(buf) < need:
+        buf += s.recv(1 << 20)
+    return lines[0], headers, buf[:need], buf[need:]
+
+
 def _raw_exchange(url, payload: bytes, responses: int, timeout=30.0) -> list[tuple[int, dict, bytes]]:
     """Send raw bytes on one connection; read `responses` HTTP responses (by Content-Length)."""
     import socket
@@ -287,19 +304,11 @@ def _raw_exchange(url, payload: bytes, responses: int, timeout=30.0) -> list[tup
         s.sendall(payload)
         buf = b""
         while len(out) < responses:
-            while b"\r\n\r\n" not in buf:
-                chunk = s.recv(65536)
-                if not chunk:
-                    return out
-                buf += chunk
-            head, _, buf = buf.partition(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-            need = int(headers.get("content-length", "0"))
-            while len(buf) < need:
-                buf += s.recv(65536)
-            out.append((int(lines[0].split()[1]), headers, buf[:need]))
-            buf = buf[need:]
+            answer = _read_response(s, buf)
+            if answer is None:
+                return out
+            status_line, headers, body, buf = answer
+            out.append((int(status_line.split()[1]), headers, body))
     return out
 
 
@@ -402,14 +411,7 @@ def test_an_instance_answer_keeps_connection_close_and_leaves_a_slow_readers_res
     with socket.create_connection((host, int(port)), timeout=60) as s:
         s.sendall(_binary_request(feeds))
         time.sleep(1.0)
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            buf += s.recv(1 << 16)
-        head, _, buf = buf.partition(b"\r\n\r\n")
-        headers = {k.strip().lower(): v.strip() for k, _, v in
-                   (ln.partition(":") for ln in head.decode("latin-1").split("\r\n")[1:])}
-        while len(buf) < int(headers["content-length"]):
-            buf += s.recv(1 << 20)
+        _, headers, buf, _ = _read_response(s)
     got = _binary_outputs(headers, buf)
     want = reference.run(feeds)
     for name in want:
@@ -428,17 +430,10 @@ def test_concurrent_binary_and_json_clients_each_get_their_own_answers(served, r
             for i in range(15):
                 feeds = _inputs(1 + (seed + i) % 3, seed=seed * 100 + i)
                 s.sendall(_binary_request(feeds))
-                buf = b""
-                while b"\r\n\r\n" not in buf:
-                    chunk = s.recv(1 << 16)
-                    assert chunk, "connection closed"
-                    buf += chunk
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-                while len(buf) < int(headers["content-length"]):
-                    buf += s.recv(1 << 16)
-                assert lines[0].startswith("HTTP/1.1 200") and len(buf) == int(headers["content-length"])
+                answer = _read_response(s)
+                assert answer is not None, "connection closed"
+                status_line, headers, buf, _ = answer
+                assert status_line.startswith("HTTP/1.1 200") and len(buf) == int(headers["content-length"])
                 got, want = _binary_outputs(headers, buf), reference.run(feeds)
                 for name in want:
                     np.testing.assert_allclose(got[name], want[name], rtol=1e-5)
@@ -474,20 +469,15 @@ def test_a_pipelined_100_continue_comes_after_the_answer_before_it(served):
     host, port = served.url.split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
         s.sendall(first + second_head)
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            buf += s.recv(1 << 16)
-        assert buf.startswith(b"HTTP/1.1 200 OK")  # the first answer, not the 100 for the second
-        head, _, buf = buf.partition(b"\r\n\r\n")
-        length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
-        while len(buf) < length + len(b"HTTP/1.1 100 Continue\r\n\r\n"):
-            buf += s.recv(1 << 16)
-        assert buf[length:].startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
-        s.sendall(body)
-        rest = buf[length + len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
-        while b"\r\n\r\n" not in rest:
+        status_line, _, _, rest = _read_response(s)
+        assert status_line == "HTTP/1.1 200 OK"  # the first answer, not the 100 for the second
+        continue_line = b"HTTP/1.1 100 Continue\r\n\r\n"
+        while len(rest) < len(continue_line):
             rest += s.recv(1 << 16)
-        assert rest.startswith(b"HTTP/1.1 200 OK")
+        assert rest.startswith(continue_line)
+        s.sendall(body)
+        status_line, _, _, _ = _read_response(s, rest[len(continue_line):])
+        assert status_line == "HTTP/1.1 200 OK"
 
 
 def test_worker_killed_during_an_instance_answered_request_gives_503(served):
