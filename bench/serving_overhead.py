@@ -725,8 +725,10 @@ def markdown(results: dict, command: str) -> str:
         "of the job's core) 0.3, encode and write 0.15, back to the client 0.1. After a long model run everything "
         "past the compute was 3–4 times slower (BERT-base, traced with a patched job: reply back 0.67 ms, encode "
         "0.21, write 0.19): the model's weights push the job's code and data out of the shared cache. Moving 600 KB "
-        "over loopback TCP costs ~0.6 ms by itself on this VM (a raw-socket client and server on one cpu), so the "
-        "overhead is now measured against a direct TCP server that moves the same bytes.",
+        "over loopback TCP costs ~0.55 ms by itself on this VM: a raw-socket client and server on one cpu take 0.73 "
+        "ms p50 per round trip with a 602112-byte request against 0.18 ms with a 3000-byte one "
+        "(`python bench/loopback_floor.py`, 200 requests each, load 0.6). So the overhead is now measured against "
+        "a direct TCP server that moves the same bytes.",
         "- **Reply-through (this change):** the instance answers all-binary requests on the client's socket itself "
         "(the socket passed with the batch), so the reply-back hop, the wake-up of the job and its cold encode and "
         "write leave the request's path; encoded JSON headers of responses are cached, and tensors up to 64 KB go "
