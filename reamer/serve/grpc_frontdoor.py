@@ -1,0 +1,319 @@
+"""The online front door's gRPC form: the Open Inference Protocol's `inference.GRPCInferenceService`.
+
+Serves KServe's grpc_predict_v2.proto (ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata,
+ModelInfer) and Triton's ModelConfig with the fields a client needs (name, platform, max_batch_size, inputs,
+outputs), under the one service name both KServe-v2 clients and tritonclient.grpc call. Requests go to the
+same DynamicBatcher as the REST front door, so batching, load shedding and the job's request stats are shared.
+
+Tensors come as `raw_input_contents` (what tritonclient sends) or as typed `contents`; the answer uses the
+same form as the request (raw when any output is FP16, which has no typed field). Errors map as Triton
+maps them: INVALID_ARGUMENT for what the client sent (the message names the field), NOT_FOUND for another
+model, UNAVAILABLE for a shed request, an instance that crashed or a job not ready, RESOURCE_EXHAUSTED for
+a message over the job's max_request_mb (gRPC's own check). Every infer answer carries a `server-timing`
+trailing metadata entry, as the REST answer carries the header.
+
+It runs on grpc.aio in the job's event loop (uvloop): a request awaits the batcher directly, with no hop
+between threads (bench/RESULTS.md compares it with a thread-pool server).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+import numpy as np
+
+from reamer.host.errors import ReamerError
+from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded, RequestTiming
+from reamer.serve.grpc_v2 import messages as pb
+from reamer.serve.tensors import TensorInfo, UnsupportedDatatype, v2_to_numpy
+from reamer.serve.v2wire import SERVER_NAME, le_bytes, server_timing
+from reamer.serve.worker import InferenceFailed, WorkerError
+
+SERVER_VERSION = "0.1.0"
+GRACE_S = 10.0  # a stop waits this long for requests in flight
+
+# The typed-contents field of each datatype (FP16 and BYTES have none reamer takes: FP16 travels raw).
+CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+                  "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+                  "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+                  "FP32": "fp32_contents", "FP64": "fp64_contents"}
+
+
+class GrpcBadRequest(ReamerError):
+    """The client sent an infer request the model cannot take (INVALID_ARGUMENT)."""
+
+
+@dataclass
+class DecodedGrpcRequest:
+    inputs: dict[str, np.ndarray]
+    outputs: list[str]  # names to answer with, in answer order
+    raw: bool  # answer with raw_output_contents (the request's form)
+
+
+def _describe(tensors: list[TensorInfo]) -> str:
+    return ", ".join(f"{t.name} ({t.datatype} {list(t.shape)})" for t in tensors)
+
+
+def decode_infer_request(req: Any, model_inputs: list[TensorInfo], model_outputs: list[TensorInfo]) -> DecodedGrpcRequest:
+    """Validate a ModelInferRequest against the model's signature and read its tensors."""
+    raw = list(req.raw_input_contents)
+    if raw and len(raw) != len(req.inputs):
+        raise GrpcBadRequest(f"raw_input_contents has {len(raw)} entries for {len(req.inputs)} inputs",
+                             "send one raw_input_contents entry per input, in input order")
+    by_name = {t.name: t for t in model_inputs}
+    inputs: dict[str, np.ndarray] = {}
+    for i, item in enumerate(req.inputs):
+        name = item.name
+        where = f"inputs[{i}] ({name!r})"
+        meta = by_name.get(name)
+        if meta is None:
+            raise GrpcBadRequest(f"inputs[{i}].name {name!r} is not an input of the model; it expects "
+                                 f"{_describe(model_inputs)}", "use the input names from ModelMetadata")
+        if name in inputs:
+            raise GrpcBadRequest(f"{where} is given twice", "send each input once")
+        datatype = item.datatype.upper()
+        if datatype != meta.datatype:
+            raise GrpcBadRequest(f"{where}.datatype is {item.datatype or 'empty'!r} but the model expects "
+                                 f"{meta.datatype}", f"send {name} as {meta.datatype}")
+        shape = list(item.shape)
+        if (len(shape) != len(meta.shape) or any(d < 0 for d in shape)
+                or any(m >= 0 and d != m for d, m in zip(shape, meta.shape))):
+            raise GrpcBadRequest(f"{where}.shape is {shape} but the model expects {list(meta.shape)} (-1 = any size)",
+                                 f"reshape {name} to match; the first axis is the batch")
+        try:
+            dtype = v2_to_numpy(datatype)
+        except UnsupportedDatatype as exc:
+            raise GrpcBadRequest(exc.message, exc.fix) from None
+        if dtype == np.object_:
+            raise GrpcBadRequest(f"{where} is BYTES, which reamer does not serve", "use a numeric input")
+        count = math.prod(shape)
+        has_contents = item.HasField("contents")
+        if raw:
+            if has_contents:
+                raise GrpcBadRequest(f"{where}.contents is set beside raw_input_contents",
+                                     "send every input raw, or every input in contents, not both")
+            want = count * dtype.itemsize
+            if len(raw[i]) != want:
+                raise GrpcBadRequest(f"raw_input_contents[{i}] ({name!r}) has {len(raw[i])} bytes but shape {shape} "
+                                     f"of {datatype} needs {want}", "send exactly shape × element size bytes")
+            arr = np.frombuffer(raw[i], dtype=dtype.newbyteorder("<")).astype(dtype, copy=False)
+        else:
+            field = CONTENTS_FIELD.get(datatype)
+            if field is None:
+                raise GrpcBadRequest(f"{where} is {datatype}, which has no typed contents field",
+                                     f"send {datatype} tensors in raw_input_contents")
+            values = getattr(item.contents, field)
+            if len(values) != count:
+                raise GrpcBadRequest(f"{where}.contents.{field} has {len(values)} values but shape {shape} holds {count}"
+                                     + ("" if has_contents else "; the request has no raw_input_contents either"),
+                                     "send as many values as the shape holds")
+            try:
+                arr = np.array(values, dtype=dtype)
+            except (OverflowError, ValueError) as exc:
+                raise GrpcBadRequest(f"{where}.contents.{field} does not fit {datatype} ({exc})",
+                                     f"send values in the range of {datatype}") from None
+        inputs[name] = arr.reshape(shape)
+    missing = [t.name for t in model_inputs if t.name not in inputs]
+    if missing:
+        raise GrpcBadRequest(f"inputs lack {missing}; the model expects {_describe(model_inputs)}",
+                             "send every model input")
+    batches = {a.shape[0] for a in inputs.values() if a.ndim}
+    if len(batches) > 1:
+        raise GrpcBadRequest(f"inputs disagree on the batch size (first axis): {sorted(batches)}",
+                             "give every input the same first dimension")
+    known = [t.name for t in model_outputs]
+    outputs = []
+    for i, out in enumerate(req.outputs):
+        if out.name not in known:
+            raise GrpcBadRequest(f"outputs[{i}].name {out.name!r} is not an output of the model; it has "
+                                 f"{_describe(model_outputs)}", "ask only for outputs from ModelMetadata")
+        outputs.append(out.name)
+    types = {t.name: t.datatype for t in model_outputs}
+    wanted = outputs or known
+    answer_raw = bool(raw) or not inputs or any(CONTENTS_FIELD.get(types[n]) is None for n in wanted)
+    return DecodedGrpcRequest(inputs, wanted, answer_raw)
+
+
+def encode_infer_response(model_name: str, request_id: str, decoded: DecodedGrpcRequest,
+                          outputs: dict[str, np.ndarray], model_outputs: list[TensorInfo]) -> Any:
+    types = {t.name: t.datatype for t in model_outputs}
+    resp = pb.ModelInferResponse(model_name=model_name, model_version="1", id=request_id)
+    for name in decoded.outputs:
+        arr = np.asarray(outputs[name])
+        out = resp.outputs.add(name=name, datatype=types[name], shape=arr.shape)
+        if decoded.raw:
+            resp.raw_output_contents.append(le_bytes(arr))
+        else:
+            getattr(out.contents, CONTENTS_FIELD[types[name]]).extend(arr.reshape(-1).tolist())
+    return resp
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class GrpcV2Service:
+    """The RPCs of one model served by `batcher`."""
+
+    def __init__(self, model_name: str, batcher: DynamicBatcher, platform: str = "onnxruntime_onnx") -> None:
+        self.model_name = model_name
+        self.batcher = batcher
+        self.platform = platform
+
+    def _signature(self) -> tuple[list[TensorInfo], list[TensorInfo]] | None:
+        for w in self.batcher.workers:
+            if w.inputs:
+                return w.inputs, w.outputs
+        return None
+
+    def _all_ready(self) -> bool:
+        workers = self.batcher.workers
+        return bool(workers) and all(w.ready and w.alive for w in workers)
+
+    def _check_model(self, name: str, field: str = "name") -> None:
+        if name != self.model_name:
+            raise _Abort(grpc.StatusCode.NOT_FOUND, f"{field} {name!r} is not served here; this endpoint serves "
+                                                    f"{self.model_name!r}")
+
+    def _loaded(self) -> tuple[list[TensorInfo], list[TensorInfo]]:
+        sig = self._signature()
+        if sig is None:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"model {self.model_name!r} is still loading; retry in a few seconds")
+        return sig
+
+    # -- RPCs: (request, context) -> response; _Abort for an error status
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=self._all_ready())
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        self._check_model(request.name)
+        return pb.ModelReadyResponse(ready=self._all_ready())
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=[])
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        self._check_model(request.name)
+        ins, outs = self._loaded()
+        resp = pb.ModelMetadataResponse(name=self.model_name, versions=["1"], platform=self.platform)
+        for t in ins:
+            resp.inputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+        for t in outs:
+            resp.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+        return resp
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        self._check_model(request.name)
+        ins, outs = self._loaded()
+        max_batch = max((w.spec.max_batch for w in self.batcher.workers), default=1)
+        resp = pb.ModelConfigResponse()
+        config = resp.config
+        config.name, config.platform, config.max_batch_size = self.model_name, self.platform, max_batch
+        config.backend = "onnxruntime" if self.platform == "onnxruntime_onnx" else "openvino"
+        for tensors, target in ((ins, config.input), (outs, config.output)):
+            for t in tensors:
+                # Triton leaves the batch axis out of dims when max_batch_size > 0
+                target.add(name=t.name, data_type=pb.DATA_TYPES.get(f"TYPE_{t.datatype}".replace("BYTES", "STRING"), 0),
+                           dims=t.shape[1:])
+        return resp
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        started = time.perf_counter()
+        self._check_model(request.model_name, "model_name")
+        sig = self._loaded()
+        try:
+            decoded = decode_infer_request(request, *sig)
+        except GrpcBadRequest as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        timing = RequestTiming()
+        try:
+            outputs = await self.batcher.infer(decoded.inputs, timing)
+        except InferenceFailed as exc:  # the runtime refused these inputs: the client's to fix
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except (Overloaded, NotReady, WorkerError) as exc:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        resp = encode_infer_response(self.model_name, request.id, decoded, outputs, sig[1])
+        context.set_trailing_metadata((("server-timing", server_timing(
+            timing.queue_s, timing.compute_s, time.perf_counter() - started)),))
+        return resp
+
+
+def _handler(method: Callable, request_type: type, response_type: type) -> grpc.RpcMethodHandler:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(request, context)
+        except _Abort as exc:
+            await context.abort(exc.code, exc.message)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {exc}")
+
+    return grpc.unary_unary_rpc_method_handler(call, request_deserializer=request_type.FromString,
+                                               response_serializer=response_type.SerializeToString)
+
+
+class GrpcFrontDoor:
+    """A grpc.aio server of `service` on host:port (0 = a free port, known after start())."""
+
+    def __init__(self, service: GrpcV2Service, host: str, port: int, max_request_bytes: int) -> None:
+        self.service = service
+        self.host = host
+        self.requested_port = port
+        self.max_request_bytes = max_request_bytes
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._stop: asyncio.Event | None = None
+        self.stopping = False
+
+    async def start(self) -> int:
+        """Bind and start serving (call from the event loop that runs the batcher); returns the port."""
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", self.max_request_bytes),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.so_reuseport", 0),  # a second job on the same port must fail, not share it
+        ])
+        handlers = {name: _handler(getattr(self.service, name), req, resp) for name, (req, resp) in pb.METHODS.items()}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(pb.SERVICE, handlers),))
+        address = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            port, reason = 0, str(exc)
+        else:
+            reason = "the address is in use or not on this host"
+        if not port:
+            raise ReamerError(f"cannot listen for gRPC on {address}: {reason}",
+                              "pick a free grpc_port, or 0 to let the system choose")
+        await server.start()
+        self._server, self.port = server, port
+        return port
+
+    async def serve(self) -> None:
+        """Serve until request_stop(); then refuse new calls, let calls in flight finish (GRACE_S), stop."""
+        if self._server is None:
+            await self.start()
+        self._stop = asyncio.Event()
+        if self.stopping:
+            self._stop.set()
+        try:
+            await self._stop.wait()
+        finally:
+            assert self._server is not None
+            await self._server.stop(GRACE_S)
+
+    def request_stop(self) -> None:
+        """Stop serving (call from the event loop's thread)."""
+        self.stopping = True
+        if self._stop is not None:
+            self._stop.set()
