@@ -60,6 +60,21 @@ class InferenceConfig(_Section):
     restart_window_s: float = Field(default=60.0, gt=0)
 
 
+class SecurityConfig(_Section):
+    # Cgroups a caller other than root may attach (a path equal to or under one of these; "{uid}" is
+    # the caller's uid). Every process found must be the caller's own as well.
+    allowed_cgroup_prefixes: list[str] = Field(default_factory=lambda: ["user.slice/user-{uid}.slice"])
+    # Cgroups nobody may attach, root included (the host's own processes live there).
+    protected_cgroups: list[str] = Field(
+        default_factory=lambda: ["/", "init.scope", "system.slice", "user.slice", "machine.slice"])
+    # Highest SCHED_RR priority any training job gets, root's included (1..99).
+    max_rt_priority: int = Field(default=90, ge=1, le=99)
+    # Largest control API request body (KiB); bigger ones get 413.
+    max_body_kb: int = Field(default=256, ge=1, le=65536)
+    # Long-polls (GET /v1/events?wait=) open at once; more get 429 (they never hold worker threads).
+    max_long_polls: int = Field(default=64, ge=1, le=10000)
+
+
 class AgentConfig(_Section):
     socket: str = "/run/reamer/reamer.sock"
     # Group that owns the socket (mode 0660): its members may use the CLI and API. None = root's group.
@@ -73,6 +88,7 @@ class AgentConfig(_Section):
     reconcile_interval_s: float = Field(default=1.0, gt=0, le=60)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     # Passed to reamer.gpu.config.GpuConfig.from_dict; {} = defaults.
     gpu: dict[str, Any] = Field(default_factory=dict)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -127,6 +143,10 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> AgentConfi
         raise ConfigError(message, problems[0][1]) from None
     except ValueError as exc:  # parse_cpulist in a validator
         raise ConfigError(f"bad value in {source}: {exc}", f"see {DEFAULT_CONFIG_DOC}") from None
+    if config.training.priority > config.security.max_rt_priority:
+        raise ConfigError(f"training.priority {config.training.priority} in {source} is above "
+                          f"security.max_rt_priority {config.security.max_rt_priority}",
+                          "lower training.priority or raise security.max_rt_priority")
     if config.gpu:
         validate_gpu_section(config.gpu, source)
     return config

@@ -108,10 +108,9 @@ def _resolve_config(config: AgentConfig | str | Path | None, overrides: dict[str
 def run_daemon(config: AgentConfig | str | Path | None = None, overrides: dict[str, Any] | None = None) -> int:
     """Run the agent until SIGTERM/SIGINT; returns the exit code. Raises ReamerError for setup problems
     (bad config, socket in use, RT throttling off, unreadable store)."""
-    import uvicorn
-
     from reamer.agent.service import Agent
     from reamer.api.app import build_app
+    from reamer.api.server import make_server
 
     cfg = _resolve_config(config, overrides)
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
@@ -129,8 +128,7 @@ def run_daemon(config: AgentConfig | str | Path | None = None, overrides: dict[s
     if notifier.enabled and watchdog_usec:
         agent.on_reconcile.append(lambda _duration: notifier.notify("WATCHDOG=1"))
 
-    server = uvicorn.Server(uvicorn.Config(build_app(agent), log_level=cfg.log_level, access_log=False,
-                                           lifespan="off", timeout_graceful_shutdown=3))
+    server = make_server(build_app(agent), log_level=cfg.log_level)  # tells the API who calls (SO_PEERCRED)
 
     def announce_ready() -> None:
         while not server.started and not server.should_exit:

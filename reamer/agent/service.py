@@ -22,10 +22,13 @@ from reamer.agent.errors import Conflict, InvalidRequest, NotFound
 from reamer.agent.events import Event, EventLog
 from reamer.agent.inference import (InferenceRecord, InferenceSupervisor, LayoutChooser, apply_choice, choose_for,
                                     free_port, load_chooser, validate_request)
+from reamer.agent.policy import (AGENT, Caller, SecurityRules, check_cgroup, check_job_owner, check_priority,
+                                 check_processes)
 from reamer.agent.store import Store
-from reamer.agent.training import PinState, RtThrottlingDisabled, TrainingPinner
+from reamer.agent.training import PinState, RtThrottlingDisabled, TrainingPinner, job_processes
 from reamer.host.cgroups import CgroupDriver, detect_driver
 from reamer.host.errors import HostError, ReamerError
+from reamer.host.identity import pid_max, process_facts
 from reamer.host.sched import rt_throttling
 from reamer.host.topology import Topology, read_topology
 from reamer.plan.coretable import AllocationError, CoreTable
@@ -41,6 +44,9 @@ class Agent:
                  proc_root: str = "/proc") -> None:
         self.config = config
         self.proc_root = proc_root
+        sec = config.security
+        self.rules = SecurityRules(tuple(sec.allowed_cgroup_prefixes), tuple(sec.protected_cgroups),
+                                   sec.max_rt_priority)
         self.started_at = time.time()
         self._lock = threading.RLock()
         self._wake = threading.Event()
@@ -217,19 +223,31 @@ class Agent:
 
     # ------------------------------------------------------------------------------- training
 
-    def _resolve_pids(self, req: dict[str, Any]) -> tuple[list[int], str, str, int | None]:
-        """(pids, source, source reference, cores the source asks for)."""
+    def _check_pids(self, pids: list[int], caller: Caller) -> list[int]:
+        """Sorted distinct pids, each in range and running, and every one of them and of their
+        descendants a process the caller may touch (policy)."""
+        limit = pid_max(self.proc_root)
+        pids = sorted(set(int(p) for p in pids))
+        for pid in pids:
+            if not 0 < pid <= limit:
+                raise InvalidRequest(f"pid {pid} is out of range (1..{limit})", "give the pids of running processes")
+            if not psutil.pid_exists(pid):
+                raise InvalidRequest(f"process {pid} does not exist",
+                                     "give the pids of running processes (see `ps -ef`)")
+        self._check_processes(pids, caller)
+        return pids
+
+    def _check_processes(self, pids: list[int], caller: Caller) -> None:
+        facts = [process_facts(p, self.proc_root) for p in job_processes(pids) or pids]
+        check_processes(caller, facts, os.getpid(), self.rules)
+
+    def _resolve_pids(self, req: dict[str, Any], caller: Caller) -> tuple[list[int], str, str, int | None]:
+        """(pids, source, source reference, cores the source asks for); the policy has seen every process."""
         if req.get("pids"):
-            pids = sorted(set(int(p) for p in req["pids"]))
-            for pid in pids:
-                if pid in (0, 1, os.getpid()):
-                    raise InvalidRequest(f"pid {pid} is not a training process", "give the training job's own pids")
-                if not psutil.pid_exists(pid):
-                    raise InvalidRequest(f"process {pid} does not exist",
-                                         "give the pids of running training processes (see `ps -ef`)")
+            pids = self._check_pids(req["pids"], caller)
             return pids, "pids", ",".join(map(str, pids)), None
         if req.get("cgroup"):
-            path = req["cgroup"].strip("/")
+            path = check_cgroup(caller, req["cgroup"], self.rules)
             pids = []
             for controller in ("cpu", "cpuset"):
                 try:
@@ -242,31 +260,34 @@ class Agent:
                 raise InvalidRequest(f"cgroup {req['cgroup']!r} has no processes (or does not exist)",
                                      "give the cgroup path of the running training job, relative to the "
                                      f"hierarchy root {self.config.cgroup_root}")
+            self._check_processes(pids, caller)
             return pids, "cgroup", path, None
         from reamer.host.container import resolve_container
 
         info = resolve_container(req["container"], proc_root=self.proc_root, cgroup_root=self.config.cgroup_root,
                                  driver=self.driver)
+        self._check_processes(info.pids, caller)
         return info.pids, "container", info.id, info.cpus_wanted
 
-    def attach_training(self, req: dict[str, Any]) -> dict[str, Any]:
+    def attach_training(self, req: dict[str, Any], caller: Caller = AGENT) -> dict[str, Any]:
         name = req["name"]
+        priority = req.get("priority") or self.config.training.priority
+        check_priority(caller, priority, self.rules)
         with self._lock:
             if name in self.training:
                 raise Conflict(f"training job {name!r} is already attached", "detach it first, or use another name")
             if self.rt_disabled:
                 raise RtThrottlingDisabled()
-            pids, source, ref, wanted = self._resolve_pids(req)
+            pids, source, ref, wanted = self._resolve_pids(req, caller)
             taken = {p for doc in self.training.values() for p in self._pin_state.get(doc["name"], PinState()).pids}
             if taken & set(pids):
                 raise Conflict(f"process(es) {sorted(taken & set(pids))} already belong to another training job",
                                "detach that job first")
             cores = req.get("cores") or wanted or 1
-            priority = req.get("priority") or self.config.training.priority
             cpus = list(self.cores.allocate(name, cores))
             doc = {"name": name, "pids": pids, "cpus": cpus, "priority": priority, "source": source,
                    "source_ref": ref, "state": "attaching", "created_at": time.time(), "original": {},
-                   "demoted": False}
+                   "demoted": False, "owner_uid": caller.uid}
             try:
                 self.store.put_job("training", name, doc)
             except ReamerError:
@@ -303,9 +324,10 @@ class Agent:
         self.store.delete_job("training", name)
         self._replan()
 
-    def detach_training(self, name: str) -> dict[str, Any]:
+    def detach_training(self, name: str, caller: Caller = AGENT) -> dict[str, Any]:
         with self._lock:
             doc = self._training_doc(name)
+            check_job_owner(caller, "training", name, doc.get("owner_uid", 0))
             if doc.get("state") == "attaching":
                 raise Conflict(f"training job {name!r} is still being attached", "retry in a few seconds")
             view = self._training_view(name)
@@ -346,7 +368,7 @@ class Agent:
         return {"name": name, "cpus": list(doc["cpus"]), "pids": state.pids if state else list(doc["pids"]),
                 "threads_rr": state.threads_rr if state else 0, "threads": state.threads if state else 0,
                 "priority": doc["priority"], "source": doc["source"], "state": "running",
-                "created_at": doc["created_at"], "message": message}
+                "created_at": doc["created_at"], "message": message, "owner_uid": doc.get("owner_uid", 0)}
 
     def list_training(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -357,14 +379,24 @@ class Agent:
             self._training_doc(name)
             return self._training_view(name)
 
-    def demote_all(self) -> dict[str, Any]:
+    def demote_all(self, caller: Caller = AGENT) -> dict[str, Any]:
+        """Root: every training thread reamer made RT. Any other caller: the threads of its own jobs."""
         with self._lock:
-            jobs = sorted(set(self.pinner.job_cgroups()) | set(self.training))
-            for name, doc in self.training.items():
-                doc["demoted"] = True
-                self.store.put_job("training", name, doc)
-            demoted = self.pinner.demote_all()
-            self.events.emit("demoted_all", f"demoted {demoted} thread(s) to SCHED_OTHER", data={"jobs": jobs})
+            if caller.is_root:
+                jobs = sorted(set(self.pinner.job_cgroups()) | set(self.training))
+            else:
+                jobs = sorted(n for n, d in self.training.items() if d.get("owner_uid", 0) == caller.uid)
+            for name in jobs:
+                doc = self.training.get(name)
+                if doc is not None:
+                    doc["demoted"] = True
+                    self.store.put_job("training", name, doc)
+            if caller.is_root:
+                demoted = self.pinner.demote_all()
+            else:
+                demoted = sum(self.pinner.demote(name) for name in jobs)
+            self.events.emit("demoted_all", f"demoted {demoted} thread(s) to SCHED_OTHER (by uid {caller.uid})",
+                             data={"jobs": jobs, "uid": caller.uid})
         return {"threads_demoted": demoted, "jobs": jobs,
                 "message": "training keeps its cores but runs SCHED_OTHER until detached and attached again"}
 
@@ -379,12 +411,14 @@ class Agent:
                 for i in r.instances for c in i["cpus"]}
         return [c for c in self.cores.idle_cpus() if c not in used]
 
-    def deploy_inference(self, req: dict[str, Any]) -> dict[str, Any]:
+    def deploy_inference(self, req: dict[str, Any], caller: Caller = AGENT) -> dict[str, Any]:
         name = req["name"]
         with self._lock:
             if name in self.supervisor.records:
                 raise Conflict(f"inference job {name!r} already exists", "remove it first, or use another name")
+            self._check_layout_size(req.get("layout"))
             rec = validate_request(req, self.config.inference.default_backend)
+            rec.owner_uid = caller.uid
             cpus = self._online_free_cpus()
         if rec.kind == "online" and rec.layout is None:
             apply_choice(rec, choose_for(self.choose_layout, rec, cpus), cpus)
@@ -395,16 +429,34 @@ class Agent:
                 raise Conflict(f"inference job {name!r} already exists", "remove it first, or use another name")
             if rec.kind == "online" and not rec.port:
                 rec.port = free_port()
+            while rec.kind == "online" and (not rec.grpc_port or rec.grpc_port == rec.port):
+                rec.grpc_port = free_port()
             self.store.put_job("inference", name, rec.to_doc())
             self.supervisor.records[name] = rec
             self.events.emit("inference_deployed", f"{name} ({rec.kind}, {rec.backend}) deployed", job=name,
-                             data={"layout": rec.layout, "port": rec.port})
+                             data={"layout": rec.layout, "port": rec.port, "grpc_port": rec.grpc_port})
             self._replan()
             return self._inference_view(rec)
 
-    def remove_inference(self, name: str) -> dict[str, Any]:
+    def _check_layout_size(self, layout: str | None) -> None:
+        """A layout may ask for at most the node's CPUs outside the reserved ones (checked while parsing,
+        before it makes a single instance)."""
+        if not layout:
+            return
+        from reamer.plan.layout import parse_layout
+
+        usable = max(1, len(set(self.topology.cpu_ids()) - set(self.cores.reserved)))
+        try:
+            parse_layout(layout, max_cores=usable)
+        except ValueError as exc:
+            raise InvalidRequest(f"layout is invalid: {exc}",
+                                 f'write it like "2x1:b4" (instances x cores : batch); this node has {usable} '
+                                 "usable cpus") from None
+
+    def remove_inference(self, name: str, caller: Caller = AGENT) -> dict[str, Any]:
         with self._lock:
             rec = self._inference_rec(name)
+            check_job_owner(caller, "inference", name, rec.owner_uid)
             view = self._inference_view(rec)
             self.store.delete_job("inference", name)
             pid = self.supervisor.remove(name)
@@ -428,11 +480,12 @@ class Agent:
         status_doc = {k: getattr(status, k) for k in fields} if status is not None else {}
         message = rec.message or (status.message if status is not None else "")
         return {"name": rec.name, "model": rec.model, "kind": rec.kind, "backend": rec.backend,
-                "slo_ms": rec.slo_ms, "rate_rps": rec.rate_rps, "port": rec.port, "input_dir": rec.input_dir,
+                "slo_ms": rec.slo_ms, "rate_rps": rec.rate_rps, "port": rec.port, "grpc_port": rec.grpc_port,
+                "input_dir": rec.input_dir,
                 "output_dir": rec.output_dir, "max_batch": rec.max_batch, "state": rec.state,
                 "layout": rec.layout or _layout_of(rec.instances), "instances": [dict(i) for i in rec.instances],
                 "pid": rec.pid if rec.state == "running" else None, "status": status_doc, "message": message,
-                "created_at": rec.created_at}
+                "created_at": rec.created_at, "owner_uid": rec.owner_uid}
 
     def list_inference(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -514,25 +567,31 @@ class Agent:
             raise NotFound(f"no GPU job named {name!r}: the GPU manager is not running", "see `reamer gpu status`")
         return self.gpu.job(name)
 
-    def gpu_register(self, req: dict[str, Any]) -> dict[str, Any]:
+    def gpu_register(self, req: dict[str, Any], caller: Caller = AGENT) -> dict[str, Any]:
         """Register a GPU job; returns its view with `env` (the launch environment: MPS pipe directory,
-        active-thread percentage, pinned-memory limit, CUDA_VISIBLE_DEVICES=<uuid>)."""
-        return self._gpu_manager().register_job(req["name"], _gpu_ref(req["gpu"]), req["sm_percent"],
-                                                req.get("mem_limit_mb"), kind=req.get("kind", "training"),
-                                                pids=req.get("pids"))
+        active-thread percentage, pinned-memory limit, CUDA_VISIBLE_DEVICES=<uuid>). Its pids (which
+        eviction and fault handling may signal) must be running processes the caller may touch."""
+        manager = self._gpu_manager()
+        pids = self._check_pids(req["pids"], caller) if req.get("pids") else None
+        return manager.register_job(req["name"], _gpu_ref(req["gpu"]), req["sm_percent"], req.get("mem_limit_mb"),
+                                    kind=req.get("kind", "training"), pids=pids, owner_uid=caller.uid)
 
-    def gpu_update(self, name: str, req: dict[str, Any]) -> dict[str, Any]:
+    def _owned_gpu_job(self, name: str, caller: Caller) -> Any:
+        if self.gpu is None:
+            raise NotFound(f"no GPU job named {name!r}: the GPU manager is not running", "see `reamer gpu status`")
+        check_job_owner(caller, "GPU", name, int(self.gpu.job(name).get("owner_uid", 0)))
+        return self.gpu
+
+    def gpu_update(self, name: str, req: dict[str, Any], caller: Caller = AGENT) -> dict[str, Any]:
         """Change a job's desired limits and/or pids; limits reach it when it restarts with the returned
         `env` (until then the view says pending_restart)."""
-        if self.gpu is None:
-            raise NotFound(f"no GPU job named {name!r}: the GPU manager is not running", "see `reamer gpu status`")
-        return self.gpu.update_job(name, sm_percent=req.get("sm_percent"), mem_limit_mb=req.get("mem_limit_mb"),
-                                   pids=req.get("pids"), clear_mem_limit=bool(req.get("clear_mem_limit")))
+        manager = self._owned_gpu_job(name, caller)
+        pids = self._check_pids(req["pids"], caller) if req.get("pids") else req.get("pids")
+        return manager.update_job(name, sm_percent=req.get("sm_percent"), mem_limit_mb=req.get("mem_limit_mb"),
+                                  pids=pids, clear_mem_limit=bool(req.get("clear_mem_limit")))
 
-    def gpu_remove(self, name: str) -> dict[str, Any]:
-        if self.gpu is None:
-            raise NotFound(f"no GPU job named {name!r}: the GPU manager is not running", "see `reamer gpu status`")
-        return self.gpu.remove_job(name)
+    def gpu_remove(self, name: str, caller: Caller = AGENT) -> dict[str, Any]:
+        return self._owned_gpu_job(name, caller).remove_job(name)
 
     # ------------------------------------------------------------------------------- metrics
 

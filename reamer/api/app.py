@@ -2,18 +2,29 @@
 
 Every error is JSON {"error": {"code", "message", "fix"}} with a 4xx status for bad input; an
 unexpected failure is a 500 with the same shape and no traceback (the agent log has it).
+
+Every request carries its caller (SO_PEERCRED, read by reamer.api.server) and every handler passes
+it to the agent, whose policy (reamer.agent.policy) decides; a request that did not come over the
+Unix socket is refused. Bodies are size-limited (413) and long-polls wait on the event loop, so
+they never hold the worker threads other calls need.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
-from typing import TYPE_CHECKING, Optional
+import time
+from typing import TYPE_CHECKING, Any, Optional
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from reamer.agent.errors import AdmissionRefused, Conflict, InvalidRequest, NotFound
+from reamer.agent.policy import Caller, Forbidden
+from reamer.api.server import PEER_SCOPE_KEY
 from reamer.api.schemas import (DemoteResult, ErrorBody, Event, EventList, GpuJobRequest, GpuJobUpdate, GpuStatus, Health,
                                 InferenceJob, InferenceJobList, InferenceJobRequest, NodeInfo, TrainingJob,
                                 TrainingJobList, TrainingJobRequest)
@@ -25,12 +36,91 @@ if TYPE_CHECKING:
 log = logging.getLogger("reamer.api")
 
 MAX_WAIT_S = 60.0
-ERRORS = {400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 409: {"model": ErrorBody}, 422: {"model": ErrorBody}}
+SQLITE_MAX_INT = 2**63 - 1
+LONG_POLL_STEP_S = 0.2
+# Every route may answer these: the caller is not allowed (403), the body is too large (413), a
+# mistake in the request (422), a long-poll too many (429), the store failing (503).
+COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
+    403: {"model": ErrorBody, "description": "refused by the access policy (error.data.rule names the rule)"},
+    413: {"model": ErrorBody, "description": "request body over security.max_body_kb"},
+    422: {"model": ErrorBody, "description": "invalid request"},
+    503: {"model": ErrorBody, "description": "the agent's store is unavailable"},
+}
+ERRORS = {400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 409: {"model": ErrorBody}, **COMMON_ERRORS}
 
 
-def error_response(status: int, code: str, message: str, fix: str = "", data: dict | None = None) -> JSONResponse:
+def error_response(status: int, code: str, message: str, fix: str = "", data: dict | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     body = {"error": {"code": code, "message": message, "fix": fix, "data": data or {}}}
-    return JSONResponse(status_code=status, content=body)
+    return JSONResponse(status_code=status, content=body, headers=headers)
+
+
+async def _send_error(send: Any, status: int, code: str, message: str, fix: str) -> None:
+    body = json.dumps({"error": {"code": code, "message": message, "fix": fix, "data": {}}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class SocketGate:
+    """ASGI middleware: only requests over the Unix socket (with peer credentials) get in, and their
+    bodies are read up to `max_body` bytes before the app sees them (413 beyond it)."""
+
+    def __init__(self, app: Any, max_body: int) -> None:
+        self.app = app
+        self.max_body = max_body
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope.get(PEER_SCOPE_KEY) is None:
+            await _send_error(send, 403, "forbidden",
+                              "refused by rule unix_socket_only: the agent answers only callers on its Unix "
+                              "socket (it must know who calls)", "connect to the agent's socket "
+                              "(reamer --socket PATH, or REAMER_SOCKET)")
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+            await self._too_large(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                await self._too_large(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Any) -> None:
+        await _send_error(send, 413, "body_too_large",
+                          f"the request body is larger than {self.max_body // 1024} KiB",
+                          "send a smaller request (or raise security.max_body_kb in the agent's config)")
+
+
+def caller_of(request: Request) -> Caller:
+    """The caller of this request (SocketGate let only requests with credentials in)."""
+    peer = request.scope[PEER_SCOPE_KEY]
+    return Caller(uid=peer.uid, gid=peer.gid, pid=peer.pid)
 
 
 def _status_of(exc: ReamerError) -> tuple[int, str]:
@@ -39,6 +129,8 @@ def _status_of(exc: ReamerError) -> tuple[int, str]:
     from reamer.agent.training import RtThrottlingDisabled
     from reamer.plan.coretable import AllocationError
 
+    if isinstance(exc, Forbidden):
+        return 403, "forbidden"
     if isinstance(exc, NotFound):
         return 404, "not_found"
     if isinstance(exc, AdmissionRefused):
@@ -64,15 +156,20 @@ def build_app(agent: "Agent") -> FastAPI:
     from reamer.agent.metrics import CONTENT_TYPE, AgentMetrics
 
     app = FastAPI(title="reamer agent API", version="1", description="Node agent: training pinning, CPU "
-                  "inference co-location, GPU sharing. All errors: {\"error\": {\"code\", \"message\"}}.")
+                  "inference co-location, GPU sharing. All errors: {\"error\": {\"code\", \"message\"}}. "
+                  "Only callers on the agent's Unix socket are served; who may do what: the README's security "
+                  "section.", responses=COMMON_ERRORS)
     metrics = AgentMetrics(agent)
     app.state.agent = agent
     app.state.metrics = metrics
+    security = agent.config.security
+    app.add_middleware(SocketGate, max_body=security.max_body_kb * 1024)
+    long_polls = {"open": 0}
 
     @app.exception_handler(ReamerError)
     async def _reamer_error(_: Request, exc: ReamerError) -> JSONResponse:
         status, code = _status_of(exc)
-        data = exc.data if isinstance(exc, AdmissionRefused) else None
+        data = exc.data if isinstance(exc, (AdmissionRefused, Forbidden)) else None
         message = exc.message + (f" — fix: {exc.fix}" if exc.fix else "")
         return error_response(status, code, message, exc.fix, data)
 
@@ -89,7 +186,7 @@ def build_app(agent: "Agent") -> FastAPI:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         fix = "see GET /openapi.json for the routes" if exc.status_code in (404, 405) else ""
-        return error_response(exc.status_code, code, str(exc.detail), fix)
+        return error_response(exc.status_code, code, str(exc.detail), fix, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -99,13 +196,15 @@ def build_app(agent: "Agent") -> FastAPI:
 
     # --- node ---
 
-    @app.get("/healthz", response_model=Health)
+    @app.get("/healthz", response_model=Health, responses={503: {"model": Health}})
     def healthz() -> JSONResponse:
         ok, detail = agent.health()
         return JSONResponse(status_code=200 if ok else 503,
                             content={"status": "ok" if ok else "degraded", "detail": detail})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
     def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
@@ -120,20 +219,20 @@ def build_app(agent: "Agent") -> FastAPI:
         return {"jobs": agent.list_training()}
 
     @app.post("/v1/training-jobs", response_model=TrainingJob, status_code=201, responses=ERRORS)
-    def attach_training(body: TrainingJobRequest) -> dict:
-        return agent.attach_training(body.model_dump())
+    def attach_training(body: TrainingJobRequest, caller: Caller = Depends(caller_of)) -> dict:
+        return agent.attach_training(body.model_dump(), caller)
 
     @app.get("/v1/training-jobs/{name}", response_model=TrainingJob, responses=ERRORS)
     def get_training(name: str) -> dict:
         return agent.get_training(name)
 
     @app.delete("/v1/training-jobs/{name}", response_model=TrainingJob, responses=ERRORS)
-    def detach_training(name: str) -> dict:
-        return agent.detach_training(name)
+    def detach_training(name: str, caller: Caller = Depends(caller_of)) -> dict:
+        return agent.detach_training(name, caller)
 
-    @app.post("/v1/demote-all", response_model=DemoteResult)
-    def demote_all() -> dict:
-        return agent.demote_all()
+    @app.post("/v1/demote-all", response_model=DemoteResult, responses=ERRORS)
+    def demote_all(caller: Caller = Depends(caller_of)) -> dict:
+        return agent.demote_all(caller)
 
     # --- inference ---
 
@@ -142,23 +241,39 @@ def build_app(agent: "Agent") -> FastAPI:
         return {"jobs": agent.list_inference()}
 
     @app.post("/v1/inference-jobs", response_model=InferenceJob, status_code=201, responses=ERRORS)
-    def deploy_inference(body: InferenceJobRequest) -> dict:
-        return agent.deploy_inference(body.model_dump())
+    def deploy_inference(body: InferenceJobRequest, caller: Caller = Depends(caller_of)) -> dict:
+        return agent.deploy_inference(body.model_dump(), caller)
 
     @app.get("/v1/inference-jobs/{name}", response_model=InferenceJob, responses=ERRORS)
     def get_inference(name: str) -> dict:
         return agent.get_inference(name)
 
     @app.delete("/v1/inference-jobs/{name}", response_model=InferenceJob, responses=ERRORS)
-    def remove_inference(name: str) -> dict:
-        return agent.remove_inference(name)
+    def remove_inference(name: str, caller: Caller = Depends(caller_of)) -> dict:
+        return agent.remove_inference(name, caller)
 
     # --- events ---
 
-    @app.get("/v1/events", response_model=EventList)
-    def events(since: int = Query(0, ge=0, description="return events with id > since"),
-               wait: float = Query(0.0, ge=0, le=MAX_WAIT_S, description="long-poll up to this many seconds")) -> dict:
-        found, last_id = agent.events_since(since, wait)
+    @app.get("/v1/events", response_model=EventList,
+             responses={429: {"model": ErrorBody, "description": "too many long-polls open"}})
+    async def events(since: int = Query(0, ge=0, le=SQLITE_MAX_INT, description="return events with id > since"),
+                     wait: float = Query(0.0, ge=0, le=MAX_WAIT_S, allow_inf_nan=False,
+                                         description="long-poll up to this many seconds")) -> Any:
+        # The wait happens here on the event loop (a sleep, no thread), so any number of long-polls
+        # leaves the worker threads to the other calls; the open ones are capped all the same.
+        if wait > 0 and agent.events.last_id <= since:
+            if long_polls["open"] >= security.max_long_polls:
+                return error_response(429, "too_many_long_polls",
+                                      f"{long_polls['open']} long-polls are open already (security.max_long_polls)",
+                                      "retry later, or poll without wait")
+            long_polls["open"] += 1
+            try:
+                deadline = time.monotonic() + wait
+                while agent.events.last_id <= since and time.monotonic() < deadline:
+                    await asyncio.sleep(min(LONG_POLL_STEP_S, max(0.0, deadline - time.monotonic())))
+            finally:
+                long_polls["open"] -= 1
+        found, last_id = await run_in_threadpool(agent.events_since, since, 0.0)
         return {"events": [Event(id=e.id, ts=e.ts, kind=e.kind, job=e.job, message=e.message, data=e.data)
                            for e in found], "last_id": last_id}
 
@@ -179,20 +294,20 @@ def build_app(agent: "Agent") -> FastAPI:
         return {"jobs": agent.gpu_jobs()}
 
     @app.post("/v1/gpu-jobs", status_code=201, responses=ERRORS)
-    def register_gpu_job(body: GpuJobRequest):
-        return _gpu_call(agent.gpu_register, body.model_dump(exclude_none=True))
+    def register_gpu_job(body: GpuJobRequest, caller: Caller = Depends(caller_of)):
+        return _gpu_call(agent.gpu_register, body.model_dump(exclude_none=True), caller)
 
     @app.get("/v1/gpu-jobs/{name}", responses=ERRORS)
     def get_gpu_job(name: str):
         return _gpu_call(agent.gpu_job, name)
 
     @app.patch("/v1/gpu-jobs/{name}", responses=ERRORS)
-    def update_gpu_job(name: str, body: GpuJobUpdate):
-        return _gpu_call(agent.gpu_update, name, body.model_dump(exclude_none=True))
+    def update_gpu_job(name: str, body: GpuJobUpdate, caller: Caller = Depends(caller_of)):
+        return _gpu_call(agent.gpu_update, name, body.model_dump(exclude_none=True), caller)
 
     @app.delete("/v1/gpu-jobs/{name}", responses=ERRORS)
-    def remove_gpu_job(name: str):
-        return _gpu_call(agent.gpu_remove, name)
+    def remove_gpu_job(name: str, caller: Caller = Depends(caller_of)):
+        return _gpu_call(agent.gpu_remove, name, caller)
 
     return app
 

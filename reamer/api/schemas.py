@@ -5,11 +5,15 @@ Times are Unix seconds (float). CPU lists are lists of ints. Every error respons
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 JOB_NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$"
+PID_MAX_LIMIT = 4194304  # the kernel's largest pid_max (64-bit); the agent also checks /proc/sys/kernel/pid_max
+MAX_PIDS = 4096  # pids in one request
+MAX_PATH = 4096  # PATH_MAX
+Pid = Annotated[int, Field(gt=0, le=PID_MAX_LIMIT)]
 
 TrainingSource = Literal["pids", "cgroup", "container"]
 TrainingState = Literal["running", "ended"]
@@ -75,11 +79,24 @@ class Health(_Response):
 class TrainingJobRequest(_Body):
     """Attach a running training job: exactly one of pids, cgroup, container."""
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"required": ["pids"], "properties": {"pids": {"type": "array"}}, "not": {"anyOf": [
+            {"required": ["cgroup"], "properties": {"cgroup": {"type": "string"}}},
+            {"required": ["container"], "properties": {"container": {"type": "string"}}}]}},
+        {"required": ["cgroup"], "properties": {"cgroup": {"type": "string"}}, "not": {"anyOf": [
+            {"required": ["pids"], "properties": {"pids": {"type": "array"}}},
+            {"required": ["container"], "properties": {"container": {"type": "string"}}}]}},
+        {"required": ["container"], "properties": {"container": {"type": "string"}}, "not": {"anyOf": [
+            {"required": ["pids"], "properties": {"pids": {"type": "array"}}},
+            {"required": ["cgroup"], "properties": {"cgroup": {"type": "string"}}}]}}]})
+
     name: str = Field(pattern=JOB_NAME_PATTERN)
-    pids: Optional[list[int]] = None
-    cgroup: Optional[str] = None  # cgroup path (relative to the hierarchy root) whose processes to take
-    container: Optional[str] = None  # container id (docker/containerd/cri-o/podman)
-    cores: Optional[int] = Field(default=None, ge=1)  # default: from the container's cpuset/quota, else 1
+    pids: Optional[list[Pid]] = Field(default=None, min_length=1, max_length=MAX_PIDS)
+    # cgroup path (relative to the hierarchy root) whose processes to take
+    cgroup: Optional[str] = Field(default=None, min_length=1, max_length=MAX_PATH, pattern=r"\S")
+    # container id (docker/containerd/cri-o/podman)
+    container: Optional[str] = Field(default=None, min_length=1, max_length=256, pattern=r"\S")
+    cores: Optional[int] = Field(default=None, ge=1, le=4096)  # default: from the container's cpuset/quota, else 1
     priority: Optional[int] = Field(default=None, ge=1, le=99)  # default: config training.priority
 
     @model_validator(mode="after")
@@ -102,6 +119,7 @@ class TrainingJob(_Response):
     state: TrainingState
     created_at: float
     message: str = ""
+    owner_uid: int = 0  # who attached it (root: 0); only it or root may detach it
 
 
 class TrainingJobList(_Response):
@@ -112,16 +130,25 @@ class TrainingJobList(_Response):
 
 class InferenceJobRequest(_Body):
     name: str = Field(pattern=JOB_NAME_PATTERN)
-    model: str  # path to an ONNX file on the node
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"properties": {"kind": {"const": "online"}, "slo_ms": {"type": "number"}}, "required": ["slo_ms"]},
+        {"properties": {"kind": {"const": "offline"}, "input_dir": {"type": "string", "minLength": 1},
+                        "output_dir": {"type": "string", "minLength": 1}},
+         "required": ["input_dir", "output_dir"]}]})
+
+    model: str = Field(max_length=MAX_PATH)  # path to an ONNX file on the node
     kind: InferenceKind
-    slo_ms: Optional[float] = Field(default=None, gt=0)  # online: p99 latency target
-    rate_rps: Optional[float] = Field(default=None, gt=0)  # online: expected request rate (admission)
+    slo_ms: Optional[float] = Field(default=None, gt=0, le=3600000, allow_inf_nan=False)  # online: p99 target
+    # online: expected request rate (admission)
+    rate_rps: Optional[float] = Field(default=None, gt=0, le=1e9, allow_inf_nan=False)
     port: Optional[int] = Field(default=None, ge=1, le=65535)  # online: v2 REST port (default: a free one)
-    input_dir: Optional[str] = None  # offline: .npy/.npz inputs
-    output_dir: Optional[str] = None  # offline: one result file per input
-    backend: Optional[str] = None  # "onnxruntime" | "openvino"; default from config
-    max_batch: Optional[int] = Field(default=None, ge=1)
-    layout: Optional[str] = None  # e.g. "2x1:b4" or "2x1:b4+1x2:b8"; default: searched / all free cores
+    grpc_port: Optional[int] = Field(default=None, ge=1, le=65535)  # online: v2 gRPC port (default: a free one)
+    input_dir: Optional[str] = Field(default=None, max_length=MAX_PATH)  # offline: .npy/.npz inputs
+    output_dir: Optional[str] = Field(default=None, max_length=MAX_PATH)  # offline: one result file per input
+    backend: Optional[str] = Field(default=None, max_length=64)  # "onnxruntime" | "openvino"; default from config
+    max_batch: Optional[int] = Field(default=None, ge=1, le=65536)
+    # e.g. "2x1:b4" or "2x1:b4+1x2:b8"; default: searched / all free cores
+    layout: Optional[str] = Field(default=None, max_length=1024)
 
     @model_validator(mode="after")
     def _kind_fields(self) -> "InferenceJobRequest":
@@ -158,6 +185,7 @@ class InferenceJob(_Response):
     slo_ms: Optional[float] = None
     rate_rps: Optional[float] = None
     port: Optional[int] = None
+    grpc_port: Optional[int] = None
     input_dir: Optional[str] = None
     output_dir: Optional[str] = None
     max_batch: Optional[int] = None
@@ -168,6 +196,7 @@ class InferenceJob(_Response):
     status: InferenceStatus = Field(default_factory=InferenceStatus)
     message: str = ""
     created_at: float = 0.0
+    owner_uid: int = 0  # who deployed it (root: 0); only it or root may remove it
 
 
 class InferenceJobList(_Response):
@@ -202,20 +231,28 @@ class GpuJobRequest(_Body):
     """Register a job's share of a GPU (MPS active-thread percentage, pinned-memory limit)."""
 
     name: str = Field(pattern=JOB_NAME_PATTERN)
-    gpu: Union[int, str]  # GPU UUID or index
+    gpu: Union[Annotated[int, Field(ge=0, le=1024)], Annotated[str, Field(min_length=1, max_length=128)]]  # UUID or index
     sm_percent: int = Field(ge=1, le=100)  # MPS active thread percentage
-    mem_limit_mb: Optional[int] = Field(default=None, ge=1)  # MPS pinned device memory limit
+    mem_limit_mb: Optional[int] = Field(default=None, ge=1, le=2**40)  # MPS pinned device memory limit
     kind: Literal["training", "inference"] = "training"
-    pids: Optional[list[int]] = None
+    pids: Optional[list[Pid]] = Field(default=None, max_length=MAX_PIDS)
 
 
 class GpuJobUpdate(_Body):
     """New desired limits and/or the job's pids (tell reamer the pids once the job runs)."""
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "anyOf": [{"required": ["sm_percent"], "properties": {"sm_percent": {"type": "integer"}}},
+                  {"required": ["mem_limit_mb"], "properties": {"mem_limit_mb": {"type": "integer"}}},
+                  {"required": ["clear_mem_limit"], "properties": {"clear_mem_limit": {"const": True}}},
+                  {"required": ["pids"], "properties": {"pids": {"type": "array"}}}],
+        "not": {"required": ["mem_limit_mb", "clear_mem_limit"],
+                "properties": {"mem_limit_mb": {"type": "integer"}, "clear_mem_limit": {"const": True}}}})
+
     sm_percent: Optional[int] = Field(default=None, ge=1, le=100)
-    mem_limit_mb: Optional[int] = Field(default=None, ge=1)
+    mem_limit_mb: Optional[int] = Field(default=None, ge=1, le=2**40)
     clear_mem_limit: bool = False  # drop the pinned-memory limit
-    pids: Optional[list[int]] = None
+    pids: Optional[list[Pid]] = Field(default=None, max_length=MAX_PIDS)
 
     @model_validator(mode="after")
     def _something(self) -> "GpuJobUpdate":

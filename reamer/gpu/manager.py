@@ -107,19 +107,21 @@ class GpuJob:
     recommended_sm_percent: int | None = None
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
+    owner_uid: int = 0  # who registered it (the API caller); only it or root may change or remove it
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "gpu_uuid": self.gpu_uuid, "kind": self.kind, "desired": asdict(self.desired),
                 "issued": [{"boot_ts": i.boot_ts, "limits": asdict(i.limits)} for i in self.issued],
                 "pids": self.pids, "state": self.state, "message": self.message,
-                "created_at": self.created_at, "updated_at": self.updated_at}
+                "created_at": self.created_at, "updated_at": self.updated_at, "owner_uid": self.owner_uid}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "GpuJob":
         return cls(name=d["name"], gpu_uuid=d["gpu_uuid"], kind=d["kind"], desired=Limits(**d["desired"]),
                    issued=[IssuedLimits(i["boot_ts"], Limits(**i["limits"])) for i in d.get("issued", [])],
                    pids=list(d.get("pids", [])), state=d.get("state", "registered"), message=d.get("message", ""),
-                   created_at=d.get("created_at", time.time()), updated_at=d.get("updated_at", time.time()))
+                   created_at=d.get("created_at", time.time()), updated_at=d.get("updated_at", time.time()),
+                   owner_uid=int(d.get("owner_uid", 0)))
 
 
 @dataclass
@@ -290,10 +292,12 @@ class GpuManager:
     # ================================================================== jobs
 
     def register_job(self, name: str, gpu: str | int, sm_percent: int, mem_limit_mb: int | None = None,
-                     kind: JobKind = "training", pids: list[int] | None = None) -> dict[str, Any]:
-        """Register a GPU job and return its view, including `env` to launch it with."""
+                     kind: JobKind = "training", pids: list[int] | None = None, owner_uid: int = 0) -> dict[str, Any]:
+        """Register a GPU job and return its view, including `env` to launch it with. Everything is
+        validated before anything changes: a refused request leaves no trace."""
         with self._lock:
             self._validate_name(name)
+            new_pids = _valid_pids(pids) if pids else []
             if name in self._jobs:
                 raise LimitError(f"GPU job {name!r} is already registered",
                                  f"use update_job to change it, or remove_job {name!r} first")
@@ -305,10 +309,10 @@ class GpuManager:
                 raise GpuError(f"GPU {rt.info.index} is {rt.health.state.value} "
                                f"({', '.join(rt.health.reasons) or 'no sample yet'}): no new offline GPU work is "
                                "admitted", "wait until `reamer gpu status` shows it healthy, or use another GPU")
-            job = GpuJob(name, rt.info.uuid, kind, limits)
+            job = GpuJob(name, rt.info.uuid, kind, limits, owner_uid=owner_uid)
             job.issued.append(IssuedLimits(_boot_clock(), limits))
-            if pids:
-                job.pids = sorted({int(p) for p in pids})
+            job.pids = new_pids
+            self._refresh_job(job)
             self._jobs[name] = job
             self._refresh_job(job)
             self._save_jobs()
@@ -323,15 +327,18 @@ class GpuManager:
         with the returned `env` (pending_restart says so)."""
         with self._lock:
             job = self._job(name)
+            new_pids = _valid_pids(pids) if pids is not None else None
             rt = self._gpus.get(job.gpu_uuid) or self._runtime(job.gpu_uuid)
             changed = sm_percent is not None or mem_limit_mb is not None or clear_mem_limit
+            limits = None
             if changed:
                 new_sm = job.desired.sm_percent if sm_percent is None else sm_percent
                 new_mem = None if clear_mem_limit else (job.desired.mem_limit_mb if mem_limit_mb is None else mem_limit_mb)
                 limits = self._validate_limits(rt, name, new_sm, new_mem)
+            if limits is not None:
                 self._set_desired(job, limits)
-            if pids is not None:
-                job.pids = sorted({int(p) for p in pids})
+            if new_pids is not None:
+                job.pids = new_pids
                 if job.state in ("evicted",) and job.pids:
                     job.state = "registered"
             job.updated_at = time.time()
@@ -519,7 +526,7 @@ class GpuManager:
             "applied": asdict(applied) if applied is not None else None, "limits_state": limits_state,
             "pending_restart": limits_state == "pending_restart", "note": note,
             "recommended_sm_percent": job.recommended_sm_percent, "env": self._env(job), "message": job.message,
-            "created_at": job.created_at, "updated_at": job.updated_at,
+            "created_at": job.created_at, "updated_at": job.updated_at, "owner_uid": job.owner_uid,
         }
 
     # ================================================================== tick: sample + policies
@@ -857,6 +864,19 @@ class GpuManager:
         if text != self._last_saved:  # tick() calls this every second: write (and fsync) only changes
             write_atomic(self.jobs_path, text)
             self._last_saved = text
+
+
+def _valid_pids(pids: Iterable[Any]) -> list[int]:
+    """Sorted distinct pids, each a positive integer no larger than the kernel's pid_max."""
+    from reamer.host.identity import pid_max
+
+    limit = pid_max()
+    found = set()
+    for pid in pids:
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= limit:
+            raise LimitError(f"pid {pid!r} is not a process id (1..{limit})", "give the pids of the job's processes")
+        found.add(pid)
+    return sorted(found)
 
 
 class GpuCollector:

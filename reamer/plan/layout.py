@@ -19,7 +19,11 @@ LAYOUT_SYNTAX = (
     "e.g. '2x1:b4' (2 instances × 1 core, max batch 4) or '2x1:b4+1x2t2:b8'"
 )
 
-_GROUP = re.compile(r"^(\d+)x(\d+)(?:t(\d+))?:b(\d+)$")
+_GROUP = re.compile(r"^(\d{1,9})x(\d{1,9})(?:t(\d{1,9}))?:b(\d{1,9})$")
+# No machine has more: a layout asking for more cores than this (or than `max_cores`) is refused
+# before any instance is made, so a short text cannot make the parser allocate without bound.
+MAX_LAYOUT_CORES = 8192
+MAX_BATCH = 65536
 
 
 @dataclass(frozen=True, order=True)
@@ -71,10 +75,15 @@ def _syntax_error(text: str, why: str) -> ValueError:
     return ValueError(f"bad layout {text!r}: {why}; expected {LAYOUT_SYNTAX}")
 
 
-def parse_layout(text: str) -> Layout:
-    """Parse '2x1:b4+1x2t2:b8' into a Layout; ValueError shows the syntax on bad input."""
+def parse_layout(text: str, max_cores: int | None = None) -> Layout:
+    """Parse '2x1:b4+1x2t2:b8' into a Layout; ValueError shows the syntax on bad input.
+
+    The cores of all instances together may not exceed `max_cores` (default and upper bound:
+    MAX_LAYOUT_CORES); that is checked group by group before the group's instances are made."""
     if not isinstance(text, str) or not text.strip():
         raise _syntax_error(str(text), "it is empty")
+    limit = MAX_LAYOUT_CORES if max_cores is None else min(max_cores, MAX_LAYOUT_CORES)
+    total_cores = 0
     shapes: list[InstanceShape] = []
     for raw in text.split("+"):
         group = raw.strip().replace(" ", "").lower()
@@ -86,6 +95,13 @@ def parse_layout(text: str) -> Layout:
         threads_i = int(threads) if threads is not None else cores_i
         if min(count_i, cores_i, threads_i, batch_i) < 1:
             raise _syntax_error(text, f"group {raw.strip()!r} has a zero; every number must be ≥ 1")
+        total_cores += count_i * cores_i
+        if total_cores > limit:
+            raise ValueError(f"bad layout {text!r}: it asks for {total_cores if total_cores < 10**7 else 'over 10^7'} "
+                             f"cores, more than the {limit} it may have; give fewer or smaller instances")
+        if threads_i > cores_i * 64 or batch_i > MAX_BATCH:
+            raise ValueError(f"bad layout {text!r}: group {raw.strip()!r} has over 64 threads per core or a batch "
+                             f"over {MAX_BATCH}")
         shapes.extend(InstanceShape(cores_i, threads_i, batch_i) for _ in range(count_i))
     return Layout(tuple(shapes))
 

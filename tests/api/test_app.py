@@ -55,7 +55,14 @@ def test_errors_are_json_with_code_and_message(daemon):
                                                                  "kind": "online", "slo_ms": 5}),
                            422, "invalid_request")
         assert "name" in err["message"]
-        assert_error(http.post("/v1/training-jobs", json={"name": "init", "pids": [1]}), 400, "invalid_request")
+        err = assert_error(http.post("/v1/training-jobs", json={"name": "init", "pids": [1]}), 403, "forbidden")
+        assert "pid_1" in err["message"] and err["data"]["rule"] == "pid_1"
+        for pids in ([-1], [0], [2**40]):  # out of range: refused before anything is applied
+            assert_error(http.post("/v1/training-jobs", json={"name": "bad", "pids": pids}), 422, "invalid_request")
+        assert_error(http.get("/v1/events", params={"since": 2**63}), 422, "invalid_request")
+        assert http.get("/v1/events", params={"since": 2**63 - 1}).json()["events"] == []
+        response = http.put("/v1/node")
+        assert response.status_code == 405 and response.headers["allow"] == "GET"
         # no GPU on this machine: registering a GPU job is refused cleanly, not a 500
         response = http.post("/v1/gpu-jobs", json={"name": "g", "gpu": "0", "sm_percent": 50})
         assert 400 <= response.status_code < 500 and response.json()["error"]["message"], response.text

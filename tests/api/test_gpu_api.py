@@ -69,11 +69,10 @@ class ServedAgent:
         self.procs: list[subprocess.Popen] = []
 
     def start(self) -> "ServedAgent":
-        import uvicorn
-
         from reamer.agent.daemon import bind_unix_socket
         from reamer.agent.service import Agent
         from reamer.api.app import build_app
+        from reamer.api.server import make_server
 
         self.agent = Agent(self.config, gpu_manager=self.gpu_manager)
         with pytest.MonkeyPatch.context() as mp:
@@ -81,8 +80,7 @@ class ServedAgent:
                 mp.setitem(sys.modules, "pynvml", self.nvml)
             self.agent.start()
         sock = bind_unix_socket(self.socket)
-        self.server = uvicorn.Server(uvicorn.Config(build_app(self.agent), lifespan="off", log_level="warning",
-                                                    timeout_graceful_shutdown=3))
+        self.server = make_server(build_app(self.agent), log_level="warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         wait_for(lambda: self.server.started or not self.thread.is_alive(), timeout=60, what="uvicorn to start")

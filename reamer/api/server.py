@@ -1,0 +1,51 @@
+"""The API's HTTP server: uvicorn on the agent's Unix socket, with the peer's credentials in every request.
+
+uvicorn puts no socket in the ASGI scope, so the HTTP protocol is subclassed: on each connection it
+reads SO_PEERCRED once (the kernel records it at connect()) and hands it to the app as
+scope["reamer.peer"]. A connection that is not over a Unix socket carries None and the app refuses it.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from reamer.host.identity import PeerCredentials, peer_credentials
+
+PEER_SCOPE_KEY = "reamer.peer"
+
+try:  # httptools is uvicorn's fast parser; h11 is its pure-Python fallback
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _BaseProtocol
+except ImportError:  # pragma: no cover - httptools is a dependency
+    _BaseProtocol = H11Protocol  # type: ignore[misc,assignment]
+
+
+class _WithPeer:
+    """The app, with this connection's peer credentials added to each request's scope."""
+
+    def __init__(self, app: Any, peer: PeerCredentials | None) -> None:
+        self.app = app
+        self.peer = peer
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        scope[PEER_SCOPE_KEY] = self.peer
+        await self.app(scope, receive, send)
+
+
+class PeerCredProtocol(_BaseProtocol):  # type: ignore[misc,valid-type]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        peer = None
+        if sock is not None and sock.family == socket.AF_UNIX:
+            peer = peer_credentials(sock)  # asyncio's TransportSocket offers getsockopt
+        self.app = _WithPeer(self.app, peer)
+
+
+def make_server(app: Any, log_level: str = "info", timeout_graceful_shutdown: int = 3) -> uvicorn.Server:
+    """A uvicorn server for `app` that tells it who is calling; run it with server.run(sockets=[sock])."""
+    return uvicorn.Server(uvicorn.Config(app, http=PeerCredProtocol, log_level=log_level, access_log=False,
+                                         lifespan="off", timeout_graceful_shutdown=timeout_graceful_shutdown))
