@@ -215,6 +215,7 @@ class InferenceRecord:
     restarts: list[float] = field(default_factory=list)
     events_offset: int = 0
 
+    owner_uid: int = 0  # the API caller who deployed it; only it or root may remove it
     def to_doc(self) -> dict[str, Any]:
         return asdict(self)
 
