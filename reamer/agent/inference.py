@@ -214,8 +214,8 @@ class InferenceRecord:
     created_at: float = field(default_factory=time.time)
     restarts: list[float] = field(default_factory=list)
     events_offset: int = 0
-
     owner_uid: int = 0  # the API caller who deployed it; only it or root may remove it
+
     def to_doc(self) -> dict[str, Any]:
         return asdict(self)
 
