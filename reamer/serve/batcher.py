@@ -6,7 +6,11 @@ request and, up to its max batch, the compatible ones that arrived; it waits for
 arrive densely enough (recent mean gap between arrivals within that window) for waiting to fill the
 batch. At a low rate an idle instance starts at once: waiting would add latency and batch nothing.
 Under load batches still form, from the requests that queue while every instance is busy.
-Inputs are concatenated along axis 0 (a request may carry a batch), outputs split back.
+Inputs are concatenated along axis 0 (a request may carry a batch), outputs split back. A request whose
+batch is larger than the instances' max_batch is split into parts of at most max_batch samples, queued
+as separate requests, at most one per instance at a time (so a huge request neither floods the queue
+nor holds every instance while others wait), and answered as one; it is never answered by the instance
+itself (reply-through needs the whole answer in one batch).
 A request that finds nothing queued, an idle instance and no reason to wait for a fuller batch runs
 on that instance straight from the request's own task (no hand-off to the instance's loop and back:
 each hand-off is an event-loop turn, about 0.1 ms on a cold core).
@@ -211,6 +215,10 @@ class DynamicBatcher:
                     f"{self.slo_ms:g} ms SLO; request shed",
                     "retry later, lower the request rate, or give the job more cores")
         signature = tuple(sorted((k, v.dtype.str, v.shape[1:]) for k, v in inputs.items()))
+        limit = self.max_batch()
+        if limit and batch > limit:
+            return await self._infer_split(inputs, batch, limit, signature, arrived,
+                                           timing if timing is not None else RequestTiming())
         req = _Request(inputs, batch, signature, arrived, asyncio.get_running_loop().create_future(),
                        timing if timing is not None else RequestTiming(), reply_to)
         lane = self._lane_free_now()
@@ -229,12 +237,59 @@ class DynamicBatcher:
         self.stats.record(time.monotonic() - arrived)
         return outputs
 
+    def max_batch(self) -> int:
+        """The most samples every instance takes in one batch (0 before any instance is added)."""
+        return min((w.spec.max_batch for w in self.workers), default=0)
+
+    async def _infer_split(self, inputs: dict[str, np.ndarray], batch: int, limit: int, signature: tuple,
+                           arrived: float, timing: RequestTiming) -> dict[str, np.ndarray]:
+        loop = asyncio.get_running_loop()
+        parts = [_Request({k: v[i:i + limit] for k, v in inputs.items()}, min(limit, batch - i), signature, arrived,
+                          loop.create_future()) for i in range(0, batch, limit)]
+        lanes = asyncio.Semaphore(max(1, len(self.workers)))
+        failed: list[BaseException] = []
+
+        async def run(part: _Request) -> dict[str, np.ndarray]:
+            async with lanes:
+                if failed:  # an earlier part failed: the request fails, the rest is not run
+                    raise failed[0]
+                lane = self._lane_free_now()
+                if lane is not None:
+                    await self._run_directly(lane, part)
+                else:
+                    async with self._cond():
+                        self._queue.append(part)
+                        self._cond().notify_all()
+                try:
+                    return await part.future
+                except BaseException as exc:
+                    failed.append(exc)
+                    raise
+
+        try:
+            results = await asyncio.gather(*(run(p) for p in parts))
+        except (WorkerError, NotReady):
+            self.stats.record_failed()
+            raise
+        timing.queue_s = max(p.timing.queue_s for p in parts)
+        timing.compute_s = sum(p.timing.compute_s for p in parts)
+        self.stats.record(time.monotonic() - arrived)
+        outputs = {}
+        for name, first in results[0].items():
+            per_part = [r[name] for r in results]
+            # outputs along the batch axis are joined; per-batch values (no batch axis) are the first part's
+            joined = all(a.ndim and a.shape[0] == p.batch for a, p in zip(per_part, parts))
+            outputs[name] = np.concatenate(per_part) if joined else first
+        return outputs
+
     # -- serving loop of one instance
     def _take(self, max_batch: int) -> list[_Request]:
         """The oldest request and the compatible ones behind it, up to max_batch samples."""
         first = self._queue[0]
         taken, total = [first], first.batch
         for req in self._queue[1:]:
+            if total >= max_batch:
+                break
             if req.signature == first.signature and total + req.batch <= max_batch:
                 taken.append(req)
                 total += req.batch

@@ -18,11 +18,16 @@ ASGI stack: uvicorn + FastAPI cost about 1.6 ms of CPU per request on the job's 
 the whole ≤ 1 ms overhead budget of the front door (bench/RESULTS.md). It keeps connections alive,
 answers pipelined requests in order, takes chunked bodies and `Expect: 100-continue`, and refuses a
 body over the size limit with 413.
+
+Hostile clients are bounded (DoorLimits, set from the agent config's `inference:` section through the job
+spec): header, body, idle and send timeouts, a connection cap, URL and header size limits, pipelining
+bounded by count and bytes, a cap on request bytes held by all connections, and back-pressure on a client
+that does not read its answers. JSON is parsed and written with orjson, off the event loop above a size.
+A malformed request is a 4xx whose message names the field, logged in one line (rate-limited).
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import socket
@@ -30,12 +35,14 @@ import sys
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import unquote
 
 import httptools
 import numpy as np
+import orjson
 
 from reamer.host.errors import ReamerError
 from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded, RequestTiming
@@ -100,12 +107,75 @@ def _describe(tensors: list[TensorInfo]) -> str:
     return ", ".join(f"{t.name} ({t.datatype} {list(t.shape)})" for t in tensors)
 
 
+def _kind(value: Any) -> str:
+    """A JSON value's type in JSON words, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def _object(value: Any, where: str) -> dict:
+    """`value` when it is a JSON object or absent (null), else a 400 naming the field."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"{where} is {_kind(value)}, not an object", f'send {where} as {{"key": value}}, or leave it out')
+    return value
+
+
+def _flag(params: dict, key: str, where: str, default: bool) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{where}.{key} is {_kind(value)}, not a boolean", f"send {key} as true or false")
+    return value
+
+
+_INT_RANGES = {np.dtype(t): np.iinfo(t) for t in (np.int8, np.int16, np.int32, np.int64,
+                                                 np.uint8, np.uint16, np.uint32, np.uint64)}
+
+
+def _json_tensor(data: Any, dtype: np.dtype, where: str, datatype: str) -> np.ndarray:
+    """The flat array of a JSON `data` list, checked: numbers only, integers in range, floats finite."""
+    try:
+        raw = np.asarray(data)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise BadRequest(f"{where}.data cannot be read as {datatype} ({exc})",
+                         f"send a flat or evenly nested list of {datatype} numbers") from None
+    if raw.dtype.kind not in "biuf":
+        raise BadRequest(f"{where}.data holds {'nested lists of uneven length or ' if raw.dtype.kind == 'O' else ''}"
+                         f"values that are not numbers", f"send a flat or evenly nested list of {datatype} numbers")
+    raw = raw.reshape(-1)
+    if dtype.kind in "iu" and raw.size:
+        if raw.dtype.kind == "f" and not np.array_equal(raw, np.trunc(raw)):
+            raise BadRequest(f"{where}.data has a value that is not a whole number ({raw[raw != np.trunc(raw)][0]!r})",
+                             f"send whole numbers for {datatype}")
+        info = _INT_RANGES[dtype]
+        low, high = raw.min(), raw.max()
+        if low < info.min or high > info.max:
+            bad = low if low < info.min else high
+            raise BadRequest(f"{where}.data has {bad:.6g}, outside the range of {datatype} ({info.min}..{info.max})",
+                             f"send {datatype} values within its range")
+    arr = raw.astype(dtype, copy=False)
+    if dtype.kind == "f" and arr.size and not np.isfinite(arr).all():
+        raise BadRequest(f"{where}.data has a value too large for {datatype}", f"send finite {datatype} values")
+    return arr
+
+
 def decode_request(body: bytes, header_length: int | None, model_inputs: list[TensorInfo],
-                   model_outputs: list[TensorInfo], plans: dict[bytes, RequestPlan] | None = None) -> DecodedRequest:
+                   model_outputs: list[TensorInfo], plans: dict[bytes, RequestPlan] | None = None,
+                   max_elements: int | None = None) -> DecodedRequest:
     """Parse and validate a v2 infer request (JSON or binary extension) against the model's signature.
 
     `plans`, when given, caches the checked headers of all-binary requests (see RequestPlan); it
-    belongs to one model signature.
+    belongs to one model signature. `max_elements` bounds every dimension and every input's element
+    count (a dynamic dimension of 10^12 is refused before anything is allocated for it).
+    Every refusal is a BadRequest that names the field.
     """
     if header_length is not None:
         if header_length < 0 or header_length > len(body):
@@ -119,52 +189,66 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
         if plan is not None and plan.blob_size == len(blob):
             return plan.decode(blob)
     try:
-        req = json.loads(head)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        req = orjson.loads(head)
+    except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON ({exc})",
                          f"send a JSON object, or set {HEADER_LENGTH} when binary tensors follow") from None
     if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
         raise BadRequest('request has no "inputs" list', 'send {"inputs": [{"name", "shape", "datatype", "data"}]}')
+    req_id = req.get("id")
+    if req_id is not None and (isinstance(req_id, bool) or not isinstance(req_id, (str, int))):
+        raise BadRequest(f"id is {_kind(req_id)}, not a string", 'send the request id as a string, e.g. "id": "42"')
     by_name = {t.name: t for t in model_inputs}
     inputs: dict[str, np.ndarray] = {}
     binary: list[_BinaryInput] = []
     offset = 0
-    for item in req["inputs"]:
-        if not isinstance(item, dict) or "name" not in item:
-            raise BadRequest("an input has no name", 'give every input a "name"')
-        name = item["name"]
+    for i, item in enumerate(req["inputs"]):
+        where = f"inputs[{i}]"
+        if not isinstance(item, dict):
+            raise BadRequest(f"{where} is {_kind(item)}, not an object", 'send each input as {"name", "shape", "datatype", "data"}')
+        name = item.get("name")
+        if not isinstance(name, str):
+            raise BadRequest(f"{where}.name is {_kind(name)}, not a string", 'give every input its "name" as a string')
         meta = by_name.get(name)
         if meta is None:
             raise BadRequest(f"unknown input {name!r}; the model expects inputs: {_describe(model_inputs)}",
                              "use the input names from GET /v2/models/<name>")
         if name in inputs:
             raise BadRequest(f"input {name!r} is given twice", "send each input once")
-        datatype = str(item.get("datatype", "")).upper()
-        if datatype != meta.datatype:
-            raise BadRequest(f"input {name!r} has datatype {datatype or 'none'!r} but the model expects {meta.datatype}",
+        where = f"input {name!r}"
+        datatype = item.get("datatype")
+        if not isinstance(datatype, str) or datatype.upper() != meta.datatype:
+            got = repr(datatype) if isinstance(datatype, str) else _kind(datatype)
+            raise BadRequest(f"{where} has datatype {got} but the model expects {meta.datatype}",
                              f"send {name} as {meta.datatype}")
+        datatype = meta.datatype
         shape = item.get("shape")
         if (not isinstance(shape, list) or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape)
                 or len(shape) != len(meta.shape)
                 or any(m >= 0 and d != m for d, m in zip(shape, meta.shape))):
-            raise BadRequest(f"input {name!r} has shape {shape} but the model expects {list(meta.shape)} (-1 = any size)",
+            raise BadRequest(f"{where} has shape {shape if isinstance(shape, list) else _kind(shape)} but the model "
+                             f"expects {list(meta.shape)} (-1 = any size)",
                              f"reshape {name} to match; the first axis is the batch")
         try:
             dtype = v2_to_numpy(datatype)
         except UnsupportedDatatype as exc:
             raise BadRequest(exc.message, exc.fix) from None
         if dtype == np.object_:
-            raise BadRequest(f"input {name!r} is BYTES, which reamer does not serve", "use a numeric input")
+            raise BadRequest(f"{where} is BYTES, which reamer does not serve", "use a numeric input")
         count = math.prod(shape)
-        params = item.get("parameters") or {}
+        if max_elements is not None and (count > max_elements or any(d > max_elements for d in shape)):
+            raise BadRequest(f"{where} has shape {shape}, {count} values: more than this job takes in one request "
+                             f"({max_elements} values, its max_request_mb)",
+                             "send fewer or smaller samples per request, or raise the job's max_request_mb")
+        params = _object(item.get("parameters"), f"{where}.parameters")
         if "binary_data_size" in params:
             size = params["binary_data_size"]
             want = count * dtype.itemsize
-            if not isinstance(size, int) or size != want:
-                raise BadRequest(f"input {name!r}: binary_data_size is {size} but shape {shape} of {datatype} needs {want} bytes",
+            if not isinstance(size, int) or isinstance(size, bool) or size != want:
+                raise BadRequest(f"{where}: binary_data_size is {size!r} but shape {shape} of {datatype} needs {want} bytes",
                                  "send exactly shape × element size bytes")
             if offset + size > len(blob):
-                raise BadRequest(f"input {name!r}: the body ends before its {size} binary bytes",
+                raise BadRequest(f"{where}: the body ends before its {size} binary bytes",
                                  "append every binary input after the JSON header, in input order")
             # a view of the body (it lives as long as the request); a copy only to swap the byte order
             arr = np.frombuffer(blob[offset:offset + size], dtype=dtype.newbyteorder("<")).astype(dtype, copy=False)
@@ -172,15 +256,11 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
             offset += size
         else:
             if "data" not in item:
-                raise BadRequest(f"input {name!r} has neither data nor binary_data_size",
+                raise BadRequest(f"{where} has neither data nor binary_data_size",
                                  'add "data" (flat or nested list) or send it binary')
-            try:
-                arr = np.asarray(item["data"], dtype=dtype).reshape(-1)
-            except (TypeError, ValueError) as exc:
-                raise BadRequest(f"input {name!r}: data cannot be read as {datatype} ({exc})",
-                                 f"send a list of {datatype} numbers") from None
+            arr = _json_tensor(item["data"], dtype, where, datatype)
             if arr.size != count:
-                raise BadRequest(f"input {name!r}: {arr.size} values do not fill shape {shape} ({count} values)",
+                raise BadRequest(f"{where}: {arr.size} values do not fill shape {shape} ({count} values)",
                                  "send as many values as the shape holds")
         inputs[name] = arr.reshape(shape)
     if offset != len(blob):
@@ -194,26 +274,38 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
     if len(batches) > 1:
         raise BadRequest(f"inputs disagree on the batch size (first axis): {sorted(batches)}",
                          "give every input the same first dimension")
-    params = req.get("parameters") or {}
-    binary_default = bool(params.get("binary_data_output", False))
+    params = _object(req.get("parameters"), "parameters")
+    binary_default = _flag(params, "binary_data_output", "parameters", False)
     outputs = None
     if req.get("outputs") is not None:
+        if not isinstance(req["outputs"], list):
+            raise BadRequest(f"outputs is {_kind(req['outputs'])}, not a list", 'send "outputs": [{"name": ...}]')
         known = {t.name for t in model_outputs}
         outputs = []
-        for out in req["outputs"]:
-            oname = out.get("name") if isinstance(out, dict) else None
-            if oname not in known:
-                raise BadRequest(f"unknown output {oname!r}; the model has outputs: {_describe(model_outputs)}",
-                                 "ask only for outputs from GET /v2/models/<name>")
-            oparams = out.get("parameters") or {}
-            outputs.append((oname, bool(oparams.get("binary_data", binary_default))))
-    req_id = req.get("id")
+        for i, out in enumerate(req["outputs"]):
+            if not isinstance(out, dict):
+                raise BadRequest(f"outputs[{i}] is {_kind(out)}, not an object", 'ask for an output as {"name": ...}')
+            oname = out.get("name")
+            if not isinstance(oname, str) or oname not in known:
+                what = repr(oname) if isinstance(oname, str) else _kind(oname)
+                raise BadRequest(f"unknown output {what} in outputs[{i}].name; the model has outputs: "
+                                 f"{_describe(model_outputs)}", "ask only for outputs from GET /v2/models/<name>")
+            oparams = _object(out.get("parameters"), f"outputs[{i}].parameters")
+            outputs.append((oname, _flag(oparams, "binary_data", f"outputs[{i}].parameters", binary_default)))
     if plans is not None and req_id is None and len(binary) == len(inputs):
         if len(plans) >= PLAN_CACHE_SIZE:
             plans.clear()
         plans[bytes(head)] = RequestPlan(tuple(binary), len(blob), outputs, binary_default)
     return DecodedRequest(id=str(req_id) if req_id is not None else None, inputs=inputs,
                           outputs=outputs, binary_default=binary_default)
+
+
+def _json_data(arr: np.ndarray) -> Any:
+    """A tensor's values for a JSON `data` list; orjson writes numpy arrays itself (no Python list)."""
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    if flat.dtype.byteorder == ">" or flat.dtype.kind not in "biuf":
+        return flat.tolist()
+    return flat
 
 
 def encode_response(model_name: str, decoded: DecodedRequest, outputs: dict[str, np.ndarray],
@@ -240,12 +332,12 @@ def encode_response(model_name: str, decoded: DecodedRequest, outputs: dict[str,
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
-            entry["data"] = arr.reshape(-1).tolist()
+            entry["data"] = _json_data(arr)
         items.append(entry)
     resp: dict[str, Any] = {"model_name": model_name, "model_version": "1", "outputs": items}
     if decoded.id is not None:
         resp["id"] = decoded.id
-    head = json.dumps(resp).encode()
+    head = orjson.dumps(resp, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return head, {"content-type": "application/json"}
     return head + b"".join(blobs), {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
@@ -270,23 +362,75 @@ class ClientSocket:
 
 
 def _json(status: int, doc: Any) -> Reply:
-    return Reply(status, json.dumps(doc).encode())
+    return Reply(status, orjson.dumps(doc))
 
 
 def _error(status: int, message: str, **headers: str) -> Reply:
-    return Reply(status, json.dumps({"error": message}).encode(), headers=headers)
+    return Reply(status, orjson.dumps({"error": message}), headers=headers)
+
+
+@dataclass(frozen=True)
+class DoorLimits:
+    """What one client may cost the job. Defaults follow nginx's (client_header_timeout,
+    client_body_timeout, keepalive_timeout, send_timeout, large_client_header_buffers)."""
+
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body: 413
+    max_connections: int = 1024  # more: 503 and closed at once
+    header_timeout_s: float = 60.0  # the request line and headers must arrive within this: else 408
+    body_timeout_s: float = 60.0  # between two reads of a body: else 408
+    idle_timeout_s: float = 75.0  # a keep-alive connection with nothing to do is closed after this
+    send_timeout_s: float = 60.0  # a client that takes none of its answer for this long is cut off
+    max_url_bytes: int = 8192  # longer: 414
+    max_header_bytes: int = 32768  # header section larger: 431
+    max_pipelined: int = 16  # unanswered requests queued per connection before reading pauses
+    # (also by bytes: reading pauses while the queued bodies of one connection hold more than this)
+    max_pipelined_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_buffered_bytes: int = 4 * DEFAULT_MAX_REQUEST_BYTES  # bodies held by all connections: past it, 503
+    write_high_water: int = 1 << 20  # unsent answer bytes over which a connection's next request waits
+    offload_bytes: int = 1 << 16  # JSON bodies (and JSON answers) larger than this are coded off the loop
+
+    @property
+    def buffered_budget(self) -> int:
+        return max(self.max_buffered_bytes, self.max_request_bytes)
+
+
+class ClientErrorLog:
+    """One line per refused request on stderr (job.log), at most `burst` lines per `window_s`; the rest
+    are counted and reported in one line, so a hostile client cannot fill the log."""
+
+    def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
+        self.burst, self.window_s = burst, window_s
+        self._window_start = 0.0
+        self._lines = 0
+        self._suppressed = 0
+
+    def __call__(self, line: str) -> None:
+        now = time.monotonic()
+        if now - self._window_start >= self.window_s:
+            if self._suppressed:
+                print(f"reamer job: {self._suppressed} more refused requests not logged "
+                      f"(over {self.burst} per {self.window_s:g} s)", file=sys.stderr, flush=True)
+            self._window_start, self._lines, self._suppressed = now, 0, 0
+        if self._lines >= self.burst:
+            self._suppressed += 1
+            return
+        self._lines += 1
+        print(f"reamer job: {line}", file=sys.stderr, flush=True)
 
 
 class V2App:
     """The v2 endpoints of one model served by `batcher`: (method, path, headers, body) -> Reply."""
 
-    def __init__(self, model_name: str, batcher: DynamicBatcher, platform: str = "onnxruntime_onnx") -> None:
+    def __init__(self, model_name: str, batcher: DynamicBatcher, platform: str = "onnxruntime_onnx",
+                 limits: DoorLimits | None = None) -> None:
         self.model_name = model_name
         self.batcher = batcher
         self.platform = platform
+        self.limits = limits or DoorLimits()
         self._plans: dict[bytes, RequestPlan] = {}
         self._heads: dict[tuple, bytes] = {}
         self._plans_for: object = None  # the signature the cached plans and heads were made for
+        self._coder: ThreadPoolExecutor | None = None  # large JSON is decoded and encoded here
 
     def _signature(self) -> tuple[list[TensorInfo], list[TensorInfo]] | None:
         for w in self.batcher.workers:
@@ -297,6 +441,15 @@ class V2App:
     def _all_ready(self) -> bool:
         workers = self.batcher.workers
         return bool(workers) and all(w.ready and w.alive for w in workers)
+
+    async def _off_loop(self, fn, *args):
+        if self._coder is None:
+            self._coder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="json")
+        return await asyncio.get_running_loop().run_in_executor(self._coder, fn, *args)
+
+    def close(self) -> None:
+        if self._coder is not None:
+            self._coder.shutdown(wait=False)
 
     async def handle(self, method: str, path: str, headers: dict[str, str], body: bytes,
                      client: ClientSocket | None = None) -> Reply:
@@ -346,14 +499,21 @@ class V2App:
                      sig: tuple[list[TensorInfo], list[TensorInfo]], client: ClientSocket | None) -> Reply:
         started = time.perf_counter()
         raw_len = headers.get(HEADER_LENGTH.lower())
-        try:
-            header_length = int(raw_len) if raw_len is not None else None
-        except ValueError:
-            return _error(400, f"{HEADER_LENGTH} {raw_len!r} is not a number")
+        header_length = None
+        if raw_len is not None:
+            if not raw_len.strip().isdigit():
+                return _error(400, f"{HEADER_LENGTH} {raw_len!r} is not a number of bytes")
+            header_length = int(raw_len)
         if self._plans_for != sig:  # a restarted instance may bring another model
             self._plans, self._heads, self._plans_for = {}, {}, sig
+        json_bytes = len(body) if header_length is None else header_length
         try:
-            decoded = decode_request(body, header_length, *sig, plans=self._plans)
+            # the largest input is bounded by the body limit: one byte per value at the least
+            args = (body, header_length, *sig, self._plans, self.limits.max_request_bytes)
+            if json_bytes > self.limits.offload_bytes:
+                decoded = await self._off_loop(decode_request, *args)
+            else:
+                decoded = decode_request(*args)
         except BadRequest as exc:
             return _error(400, str(exc))
         timing = RequestTiming()
@@ -379,7 +539,12 @@ class V2App:
                 os.close(reply_to[0])
         if isinstance(outputs, Replied):
             return Reply(200, outputs.tail, sent=True)  # the job sends what the client's socket did not take
-        content, out_headers = encode_response(self.model_name, decoded, outputs, sig[1], self._heads)
+        args = (self.model_name, decoded, outputs, sig[1], self._heads)
+        if (not all(binary for _, binary in decoded.wanted(sig[1]))
+                and sum(np.asarray(a).nbytes for a in outputs.values()) > self.limits.offload_bytes):
+            content, out_headers = await self._off_loop(encode_response, *args)
+        else:
+            content, out_headers = encode_response(*args)
         out_headers["server-timing"] = server_timing(timing.queue_s, timing.compute_s, time.perf_counter() - started)
         return Reply(200, content, out_headers.pop("content-type"), out_headers)
 
@@ -392,35 +557,72 @@ class _Incoming:
     body: bytes
     keep_alive: bool
     refused: Reply | None = None  # answered without running the app (bad request, too large)
+    held: int = 0  # body bytes counted against the connection's and the door's budgets
+
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_IDLE, _HEAD, _BODY = 0, 1, 2  # where the parser is in the next message
 
 
 class _Connection(asyncio.Protocol):
-    """One HTTP/1.1 client connection: parse with httptools, answer requests in arrival order."""
+    """One HTTP/1.1 client connection: parse with httptools, answer requests in arrival order.
 
-    MAX_PIPELINED = 16  # stop reading from a client that queues more unanswered requests than this
+    Bounded for hostile clients: headers, bodies and idle keep-alive time are timed (FrontDoor's sweep
+    checks the deadlines), URL and header sizes are capped, reading pauses while queued requests hold too
+    many requests or bytes, and the next request waits while the client has not taken its answers."""
 
     def __init__(self, door: "FrontDoor") -> None:
         self.door = door
+        self.limits = door.limits
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.fd: int | None = None  # the TCP socket, for instances that answer on it directly
+        self.peer = "?"
         self.pending: deque[_Incoming] = deque()
         self._owe_continue = False  # a `100 Continue` held back while an earlier request is answered
         self.busy = False
         self._task: asyncio.Task | None = None
-        self._paused = False
+        self._paused = False  # reading paused by us (queue full), so the client's clocks stop
         self._broken = False  # stop parsing: the connection closes after the queued answers
+        self.held = 0  # body bytes of this connection's queued and partial requests
+        self._write_paused = False
+        self._drained: asyncio.Future | None = None
+        now = time.monotonic()
+        self._state, self._since = _IDLE, now  # parser state and when its clock started
+        self._unsent, self._unsent_since = 0, now  # write buffer size at the last sweep, and since when stuck
+        self._partial = 0  # bytes of the body being received
         self._new_message()
 
     def _new_message(self) -> None:
+        self._release(self._partial)
         self._url = b""
         self._headers: dict[str, str] = {}
+        self._header_bytes = 0
         self._body: list[bytes] = []
         self._size = 0
+        self._partial = 0
         self._too_large = False
+
+    def _release(self, nbytes: int) -> None:
+        self.held -= nbytes
+        self.door.buffered -= nbytes
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            self.peer = f"{peer[0]}:{peer[1]}"
+        if len(self.door.connections) >= self.limits.max_connections:
+            self._broken = True
+            self.door.log(f"connection from {self.peer} refused: {len(self.door.connections)} connections open, "
+                          f"the job's max_connections")
+            reply = _error(503, f"this job already has {self.limits.max_connections} open connections "
+                                "(its max_connections); retry shortly, or reuse a keep-alive connection",
+                           **{"retry-after": "1"})
+            transport.write(http_head(503, reply.content_type, len(reply.body), reply.headers, False) + reply.body)
+            transport.close()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # Nagle would hold the body of a response until the client acknowledged its head: up to
@@ -430,12 +632,30 @@ class _Connection(asyncio.Protocol):
             except OSError:
                 pass
             self.fd = sock.fileno()
-        self.transport = transport  # type: ignore[assignment]
+        transport.set_write_buffer_limits(high=self.limits.write_high_water)  # type: ignore[attr-defined]
         self.door.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        self.door.connections.discard(self)
+        if self in self.door.connections:
+            self.door.connections.discard(self)
+            self.door.buffered -= self.held  # what the queued and partial requests held
+            self.held = 0
+            self._partial = 0
+            for incoming in self.pending:
+                incoming.held = 0
+        self._wake_writer()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         if self._broken:
@@ -449,15 +669,34 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
+        if self._broken:
+            return
         self._new_message()
+        self._state, self._since = _HEAD, time.monotonic()
 
     def on_url(self, url: bytes) -> None:
+        if self._broken:
+            return
         self._url += url
+        if len(self._url) > self.limits.max_url_bytes:
+            self._refuse(_error(414, f"the URL is over {self.limits.max_url_bytes} bytes (the job's max_url_bytes); "
+                                     "put data in the request body", connection="close"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._broken:
+            return
+        self._header_bytes += len(name) + len(value) + 4
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._refuse(_error(431, f"the request headers are over {self.limits.max_header_bytes} bytes "
+                                     "(the job's max_header_bytes); send fewer or shorter headers",
+                                connection="close"))
+            return
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        if self._broken:
+            return
+        self._state, self._since = _BODY, time.monotonic()
         length = self._headers.get("content-length", "")
         if length.isdigit() and int(length) > self.door.max_request_bytes:
             self._too_large = True
@@ -467,14 +706,30 @@ class _Connection(asyncio.Protocol):
             if self.busy or self.pending:  # after the answers due before it (an instance may be writing one)
                 self._owe_continue = True
             else:
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                self.transport.write(_CONTINUE)
 
     def on_body(self, chunk: bytes) -> None:
+        if self._broken:
+            return
+        self._since = time.monotonic()
         self._size += len(chunk)
-        if self._size > self.door.max_request_bytes:
+        if self._size > self.door.max_request_bytes and not self._too_large:
             self._too_large, self._body = True, []
-        if not self._too_large:
-            self._body.append(chunk)
+            self._release(self._partial)
+            self._partial = 0
+        if self._too_large:
+            return
+        if self.door.buffered + len(chunk) > self.limits.buffered_budget:
+            self.door.log(f"request from {self.peer} refused: the job holds {self.door.buffered} bytes of request "
+                          "bodies, its max_buffered_mb")
+            self._refuse(_error(503, "this job is receiving too many request bodies at once (its max_buffered_mb); "
+                                     "retry shortly", connection="close", **{"retry-after": "1"}))
+            return
+        self._body.append(chunk)
+        self._partial += len(chunk)
+        self.held += len(chunk)
+        self.door.buffered += len(chunk)
+        self._update_reading()
 
     def on_message_complete(self) -> None:
         if self._broken:
@@ -482,9 +737,56 @@ class _Connection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         incoming = _Incoming(self.parser.get_method().decode("latin-1"), self._url.decode("latin-1"),
                              self._headers, body, self.parser.should_keep_alive(),
-                             self._too_large_reply() if self._too_large else None)
+                             self._too_large_reply() if self._too_large else None, held=self._partial)
+        self._partial = 0  # now held by the queued request
         self._new_message()
+        self._state, self._since = _IDLE, time.monotonic()
         self._queue(incoming)
+
+    # -- flow control
+    def _update_reading(self) -> None:
+        """Pause reading while queued requests hold too many requests or bytes; resume below half."""
+        if self.transport is None:
+            return
+        queued = len(self.pending)
+        if not self._paused:
+            if queued >= self.limits.max_pipelined or (queued and self.held >= self.limits.max_pipelined_bytes):
+                self._paused = True
+                self.transport.pause_reading()
+        elif queued < max(1, self.limits.max_pipelined // 2) and (
+                not queued or self.held < self.limits.max_pipelined_bytes // 2):
+            self._paused = False
+            self._since = time.monotonic()  # the client could not send while we did not read
+            self.transport.resume_reading()
+
+    def expired(self, now: float) -> None:
+        """Close the connection when a client's clock ran out (called by FrontDoor's sweep)."""
+        t = self.transport
+        if t is None:
+            return
+        unsent = t.get_write_buffer_size()
+        if unsent == 0 or unsent < self._unsent:
+            self._unsent_since = now
+        self._unsent = unsent
+        if unsent and now - self._unsent_since > self.limits.send_timeout_s:
+            self.door.log(f"connection from {self.peer} cut off: it took none of its answer for "
+                          f"{self.limits.send_timeout_s:g} s (the job's send_timeout_s)")
+            t.abort()
+            return
+        if self._broken or self._paused:
+            return
+        if self._state == _HEAD and now - self._since > self.limits.header_timeout_s:
+            self._refuse(_error(408, f"the request headers did not arrive within {self.limits.header_timeout_s:g} s "
+                                     "(the job's header_timeout_s)", connection="close"))
+        elif self._state == _BODY and now - self._since > self.limits.body_timeout_s:
+            self._refuse(_error(408, f"the request body stalled for {self.limits.body_timeout_s:g} s "
+                                     "(the job's body_timeout_s)", connection="close"))
+        elif (self._state == _IDLE and not self.busy and not self.pending
+              and now - self._since > self.limits.idle_timeout_s):
+            if unsent:
+                t.abort()
+            else:
+                t.close()
 
     # -- answering
     def _too_large_reply(self) -> Reply:
@@ -494,35 +796,51 @@ class _Connection(asyncio.Protocol):
 
     def _refuse(self, reply: Reply) -> None:
         self._broken = True
+        self._new_message()  # a partial body is dropped
+        if self.transport is not None and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
         self._queue(_Incoming("", "", {}, b"", keep_alive=False, refused=reply))
 
     def _queue(self, incoming: _Incoming) -> None:
         self.pending.append(incoming)
-        if len(self.pending) >= self.MAX_PIPELINED and self.transport is not None and not self._paused:
-            self._paused = True
-            self.transport.pause_reading()
+        self._update_reading()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._answer_all())
 
     async def _answer_all(self) -> None:
         while self.pending:
+            while self._write_paused and self.transport is not None:
+                # the client has not taken its earlier answers: the next one waits (FrontDoor's sweep
+                # cuts off a client that takes nothing for send_timeout_s)
+                self._drained = asyncio.get_running_loop().create_future()
+                await self._drained
+            if self.transport is None:
+                return  # the client went away; connection_lost released what its requests held
             incoming = self.pending.popleft()
-            if self._paused and len(self.pending) < self.MAX_PIPELINED // 2 and self.transport is not None:
-                self._paused = False
-                self.transport.resume_reading()
             self.busy = True
             keep_alive = incoming.keep_alive and not self.door.stopping
             client = None
             if self.fd is not None and self.transport is not None and not self.transport.get_write_buffer_size():
                 client = ClientSocket(self.fd, keep_alive)
             try:
-                reply = incoming.refused or await self.door.app.handle(incoming.method, incoming.path,
-                                                                       incoming.headers, incoming.body, client)
+                reply = incoming.refused or await self.door.app.handle(
+                    incoming.method, incoming.path, incoming.headers, incoming.body, client)
             except Exception as exc:  # noqa: BLE001 - one bad request must not take the connection down
-                traceback.print_exc(file=sys.stderr)
+                self.door.log(f"internal error on {incoming.method} {incoming.path} from {self.peer}: "
+                              f"{type(exc).__name__}: {exc}", trace=True)
                 reply = _error(500, f"internal error while serving {incoming.path}: {exc}")
             finally:
                 self.busy = False
+                if self.transport is not None:
+                    self._release(incoming.held)
+                incoming.held, incoming.body = 0, b""
+                self._since = time.monotonic()
+                self._update_reading()
+            if 400 <= reply.status < 500 and self.transport is not None:
+                message = orjson.loads(reply.body).get("error", "") if reply.body else ""
+                where = f"{incoming.method} {incoming.path} " if incoming.method else ""
+                self.door.log(f"{reply.status} {where}from {self.peer}: {message}")
             keep_alive = incoming.keep_alive and not self.door.stopping
             if self.transport is None:
                 return  # the client went away; its answer has nowhere to go
@@ -535,7 +853,7 @@ class _Connection(asyncio.Protocol):
                 self.transport.write(reply.body)
             if self._owe_continue and not self.pending:
                 self._owe_continue = False
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                self.transport.write(_CONTINUE)
             if not keep_alive:
                 self.transport.close()
                 return
@@ -561,7 +879,10 @@ class FrontDoor:
     GRACE_S = 10.0  # a stop waits this long for requests in flight
 
     def __init__(self, app: V2App, host: str, port: int,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int | None = None, limits: DoorLimits | None = None) -> None:
+        limits = limits or app.limits
+        if max_request_bytes is not None:
+            limits = replace(limits, max_request_bytes=max_request_bytes)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -573,13 +894,28 @@ class FrontDoor:
                               "pick a free port, or 0 to let the system choose") from None
         self._sock.listen(1024)
         self.app = app
+        app.limits = limits
+        self.limits = limits
         self.host = host
         self.port: int = self._sock.getsockname()[1]
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes = limits.max_request_bytes
         self.connections: set[_Connection] = set()
+        self.buffered = 0  # request body bytes held by all connections
+        self.log = _DoorLog()
         self.started = False
         self.stopping = False
         self._stop: asyncio.Event | None = None
+
+    async def _sweep(self) -> None:
+        """Check every connection's clocks; a few times per the shortest timeout."""
+        lim = self.limits
+        tick = min(1.0, max(0.05, min(lim.header_timeout_s, lim.body_timeout_s, lim.idle_timeout_s,
+                                      lim.send_timeout_s) / 4))
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for conn in list(self.connections):
+                conn.expired(now)
 
     async def serve(self) -> None:
         """Serve until request_stop(); then stop accepting, let requests in flight finish, close."""
@@ -593,6 +929,7 @@ class FrontDoor:
             self._sock.close()
             raise
         self.started = True
+        sweep = loop.create_task(self._sweep())
         try:
             await self._stop.wait()
         finally:
@@ -603,9 +940,19 @@ class FrontDoor:
             for conn in list(self.connections):
                 if conn.transport is not None:
                     conn.transport.abort()
+            sweep.cancel()
+            self.app.close()
 
     def request_stop(self) -> None:
         """Stop serving (call from the event loop's thread)."""
         self.stopping = True
         if self._stop is not None:
             self._stop.set()
+
+
+class _DoorLog(ClientErrorLog):
+    def __call__(self, line: str, trace: bool = False) -> None:  # type: ignore[override]
+        lines_before = self._lines
+        super().__call__(line)
+        if trace and self._lines > lines_before:
+            traceback.print_exc(file=sys.stderr)

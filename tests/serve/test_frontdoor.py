@@ -26,11 +26,11 @@ CPU = sorted(os.sched_getaffinity(0))[-1]
 class Served:
     """A batcher + front door running on an event loop in a background thread."""
 
-    def __init__(self, model_path, tmp_path, slo_ms=None):
-        self.worker = InstanceWorker(0, InstanceSpec([CPU], 1, 4), model_path, run_dir=str(tmp_path))
+    def __init__(self, model_path, tmp_path, slo_ms=None, max_batch=4, limits=None):
+        self.worker = InstanceWorker(0, InstanceSpec([CPU], 1, max_batch), model_path, run_dir=str(tmp_path))
         self.worker.start()
         self.batcher = DynamicBatcher(slo_ms=slo_ms, name="mio")
-        self.door = FrontDoor(V2App("mio", self.batcher), "127.0.0.1", 0)
+        self.door = FrontDoor(V2App("mio", self.batcher, limits=limits), "127.0.0.1", 0)
         self.url = f"127.0.0.1:{self.door.port}"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),), daemon=True)
@@ -399,23 +399,42 @@ def test_all_binary_answers_come_from_the_instance_in_order_with_pipelining(serv
     assert r.status_code == 200 and served.worker.answered_directly == before + 2
 
 
-def test_an_instance_answer_keeps_connection_close_and_leaves_a_slow_readers_rest_to_the_job(served, reference):
+def test_an_instance_answer_keeps_connection_close_and_leaves_a_slow_readers_rest_to_the_job(
+        served, model, reference, tmp_path):
     import socket
     import time
 
     [(status, headers, body)] = _raw_exchange(served.url, _binary_request(_inputs(1), close=True), 1)
     assert status == 200 and headers.get("connection") == "close"
-    # an answer larger than the socket buffers, to a client that starts reading late
+    # an answer larger than the socket buffers, in one batch, to a client that starts reading late
     feeds = _inputs(150_000, seed=3)
-    host, port = served.url.split(":")
-    with socket.create_connection((host, int(port)), timeout=60) as s:
-        s.sendall(_binary_request(feeds))
-        time.sleep(1.0)
-        _, headers, buf, _ = _read_response(s)
+    big = Served(model, tmp_path, max_batch=150_000)
+    try:
+        before = big.worker.answered_directly
+        host, port = big.url.split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(_binary_request(feeds))
+            time.sleep(1.0)
+            _, headers, buf, _ = _read_response(s)
+        assert big.worker.answered_directly == before + 1
+    finally:
+        big.close()
     got = _binary_outputs(headers, buf)
     want = reference.run(feeds)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5)
+
+
+def test_a_batch_over_max_batch_is_split_and_answered_as_one(served, reference):
+    """max_batch is 4: a request of 11 samples runs as 4 + 4 + 3 and comes back whole, by the job."""
+    before = served.worker.answered_directly
+    feeds = _inputs(11, seed=9)
+    [(status, headers, body)] = _raw_exchange(served.url, _binary_request(feeds), 1)
+    assert status == 200
+    got, want = _binary_outputs(headers, body), reference.run(feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5)
+    assert served.worker.answered_directly == before  # a split answer is assembled by the job
 
 
 def test_concurrent_binary_and_json_clients_each_get_their_own_answers(served, reference):
