@@ -19,7 +19,7 @@ OUTPUT_FORMATS = ("table", "json")
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 # Errors of other layers that mean "the user's input is wrong" (by name: no import of those layers here).
-BAD_INPUT_ERRORS = frozenset({"ConfigError", "UnknownModelFamily", "SpecError", "GpuConfigError"})
+BAD_INPUT_ERRORS = frozenset({"ConfigError", "UnknownModelFamily", "SpecError", "GpuConfigError", "SampleError"})
 
 
 class BadInput(ReamerError):
@@ -192,3 +192,51 @@ def cpulist_option_value(text: str | None) -> list[int] | None:
     except ValueError as error:
         raise BadInput(str(error), 'write CPUs like "0-3,8"') from None
 
+
+
+# ---------------------------------------------------------------------------------------------- options
+
+
+def traffic_options(command: Callable) -> Callable:
+    """--shape NAME:DIMS (repeatable) and --input-data FILE: the traffic, in perf_analyzer's convention."""
+    command = click.option(
+        "--input-data", "input_data", default=None, metavar="FILE",
+        help="Sample inputs: a .npz of named arrays, or perf_analyzer's JSON input-data file.")(command)
+    return click.option(
+        "--shape", "shapes", multiple=True, metavar="NAME:DIMS",
+        help="Shape of an input's traffic, as perf_analyzer takes it: e.g. input_ids:1,128 (all dims, the first "
+             "being the batch) or input_ids:128 (without the batch dim). Repeatable.")(command)
+
+
+def sample_spec(shapes: Sequence[str], input_data: str | None):
+    """The samples.SampleSpec of --shape/--input-data (BadInput-class errors name the option and the fix)."""
+    from reamer.serve.samples import SampleSpec, shapes_from_options
+
+    data = os.path.abspath(input_data) if input_data else None
+    if data is not None and not os.path.isfile(data):
+        raise BadInput(f"--input-data {input_data} does not exist",
+                       "give a .npz of named arrays, or a perf_analyzer JSON input-data file")
+    return SampleSpec(shapes=shapes_from_options(shapes), input_data=data)
+
+
+def _set_output(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        obj = ctx.find_object(CliContext)
+        if obj is not None:
+            obj.output = value
+
+
+def add_output_option(group: click.Group) -> None:
+    """Let every command take -o FORMAT after its name too (`reamer infer list -o json`), and --output where
+    the command has no --output of its own (`infer deploy --output DIR` is the offline output directory)."""
+    for command in group.commands.values():
+        if isinstance(command, click.Group):
+            add_output_option(command)
+            continue
+        taken = {opt for param in command.params for opt in getattr(param, "opts", [])}
+        if "-o" in taken:
+            continue
+        names = ["-o"] + (["--output"] if "--output" not in taken else [])
+        command.params.append(click.Option(
+            [*names, "output_format"], type=click.Choice(OUTPUT_FORMATS), default=None, expose_value=False,
+            callback=_set_output, show_default=False, help="Output format (also accepted before the command)."))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from reamer.cli import daemon_cmd, demo_cmd, gpu_cmd, infer_cmd, node_cmd, search_cmd, train_cmd
-from reamer.cli.common import DEFAULT_SOCKET, OUTPUT_FORMATS, CliContext, ReamerGroup
+from reamer.cli.common import DEFAULT_SOCKET, OUTPUT_FORMATS, CliContext, ReamerGroup, add_output_option
 
 
 @click.group(cls=ReamerGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,6 +31,7 @@ def cli(ctx: click.Context, socket_path: str, output: str) -> None:
 
 for module in (daemon_cmd, node_cmd, train_cmd, infer_cmd, search_cmd, gpu_cmd, demo_cmd):
     module.register(cli)
+add_output_option(cli)
 
 
 def main() -> None:

@@ -20,11 +20,6 @@ __all__ = ["BACKENDS", "Backend", "BackendError", "TensorInfo", "open_backend", 
 
 BACKENDS: tuple[str, ...] = ("onnxruntime", "openvino")
 
-# dynamic dimensions other than the batch axis get this size in sample_inputs unless told otherwise
-DEFAULT_DYNAMIC_DIM = 16
-# random integer inputs (token ids, indices) are drawn from [0, SAMPLE_INT_HIGH)
-SAMPLE_INT_HIGH = 10
-
 
 class BackendError(ReamerError):
     """A backend cannot be opened, or a request does not fit the model."""
@@ -211,33 +206,13 @@ def open_backend(kind: str, model_path: str | os.PathLike, threads: int) -> Back
 
 def sample_inputs(backend: Backend, batch: int, rng: np.random.Generator | None = None,
                   dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
-    """Random inputs for one batch: floats ~N(0,1), integers in [0, 10), masks (name contains "mask") all 1.
+    """One batch of sample inputs by reamer.serve.samples' rule (zeros for integer and boolean inputs,
+    N(0,1) for floats). `dims[input name]` sizes that input's dynamic axes other than the batch."""
+    from reamer.serve.samples import SampleSpec, sample_batch
 
-    The first dynamic axis of each input is the batch; other dynamic axes take `dims[input name]`
-    (default 16).
-    """
-    rng = rng if rng is not None else np.random.default_rng(0)
-    dims = dims or {}
-    feeds: dict[str, np.ndarray] = {}
+    shapes = {}
     for info in backend.inputs:
-        shape = []
-        for axis, d in enumerate(info.shape):
-            if d >= 0:
-                shape.append(d)
-            elif axis == 0:
-                shape.append(batch)
-            else:
-                shape.append(int(dims.get(info.name, DEFAULT_DYNAMIC_DIM)))
-        dt = v2_to_numpy(info.datatype)
-        if "mask" in info.name.lower() and dt.kind in "iub":
-            feeds[info.name] = np.ones(shape, dtype=dt)
-        elif dt.kind == "b":
-            feeds[info.name] = rng.integers(0, 2, shape).astype(dt)
-        elif dt.kind in "iu":
-            feeds[info.name] = rng.integers(0, SAMPLE_INT_HIGH, shape).astype(dt)
-        elif dt.kind == "f":
-            feeds[info.name] = rng.standard_normal(shape).astype(dt)
-        else:
-            raise BackendError(f"cannot make sample data for input {info.name!r} of type {info.datatype}",
-                               "provide the inputs yourself")
-    return feeds
+        if dims and info.name in dims:
+            rest = info.shape[1:] if info.shape[:1] == [-1] else info.shape
+            shapes[info.name] = tuple(d if d >= 0 else int(dims[info.name]) for d in rest)
+    return sample_batch(backend.inputs, batch, SampleSpec(shapes=shapes), rng)

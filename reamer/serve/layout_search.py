@@ -21,6 +21,7 @@ from reamer.host.errors import ReamerError
 from reamer.plan.layout import InstanceShape, Layout, count_layouts, format_layout, parse_layout
 from reamer.plan.partition import Candidate, NoFeasibleLayout, ProfilePoint
 from reamer.plan.search import SearchResult, exhaustive_search, plan_from_profile, quick_search
+from reamer.serve.samples import SampleSpec
 
 log = logging.getLogger("reamer.layout_search")
 
@@ -98,28 +99,30 @@ def batch_choices(max_batch: int) -> list[int]:
     return batches
 
 
-def cached_points(cache_dir: str | os.PathLike | None, model_path: str, backend: str) -> list[ProfilePoint]:
-    """The single-instance points cached for (model, backend, this CPU model); [] when none."""
+def cached_points(cache_dir: str | os.PathLike | None, model_path: str, backend: str,
+                  samples: SampleSpec | None = None) -> list[ProfilePoint]:
+    """The single-instance points cached for (model, backend, this CPU model, traffic); [] when none."""
     if not cache_dir:
         return []
     from reamer.serve.profile_cache import ProfileCache, model_key
 
-    return ProfileCache(cache_dir).get(model_key(model_path, backend)) or []
+    return ProfileCache(cache_dir).get(model_key(model_path, backend, samples=samples)) or []
 
 
 def store_points(cache_dir: str | os.PathLike, model_path: str, backend: str, new_points: Sequence[ProfilePoint],
-                 source: str = "layout search") -> None:
+                 source: str = "layout search", samples: SampleSpec | None = None) -> None:
     """Merge `new_points` into the cache entry (a newer measurement of a shape replaces the old)."""
     if not new_points:
         return
     from reamer.serve.profile_cache import ProfileCache, model_key
 
-    cache, key = ProfileCache(cache_dir), model_key(model_path, backend)
+    cache, key = ProfileCache(cache_dir), model_key(model_path, backend, samples=samples)
     merged = {(p.cores, p.batch): p for p in cache.get(key) or []}  # re-read: another search may have added
     merged.update({(p.cores, p.batch): p for p in new_points})
     try:
         cache.put(key, sorted(merged.values(), key=lambda p: (p.cores, p.batch)),
-                  meta={"model": os.path.basename(model_path), "backend": backend, "source": source})
+                  meta={"model": os.path.basename(model_path), "backend": backend, "source": source,
+                        "samples": samples.describe() if samples is not None else "default sample inputs"})
     except OSError as error:
         raise ProfileCacheUnwritable(f"cannot write the profile cache {cache_dir}: {error.strerror}",
                                      "make the directory writable, or point the cache elsewhere") from None
@@ -129,8 +132,9 @@ class _Runs:
     """The search's measure/verify callbacks: cached points first, every run recorded, a time budget."""
 
     def __init__(self, model_path: str, backend: str, cpus: list[int], settings: MeasureSettings,
-                 cached: Sequence[ProfilePoint], deadline: float | None) -> None:
+                 cached: Sequence[ProfilePoint], deadline: float | None, samples: SampleSpec | None = None) -> None:
         self.model_path, self.backend, self.cpus, self.settings = model_path, backend, cpus, settings
+        self.samples = samples
         self.cached = {(p.cores, p.batch): p for p in cached}
         self.deadline = deadline
         self.rows: list[MeasurementRow] = []
@@ -152,7 +156,8 @@ class _Runs:
         if point is None:
             s = self.settings
             point = measure_point(self.model_path, self.backend, cores, batch, self.cpus, warmup_s=s.warmup_s,
-                                  window_s=s.window_s, max_windows=s.max_windows, timeout_s=self._timeout_s())
+                                  window_s=s.window_s, max_windows=s.max_windows, timeout_s=self._timeout_s(),
+                                  samples=self.samples)
             self.new_points.append(point)
         self.rows.append(MeasurementRow("point", f"1x{cores}:b{batch}", cores, 1, str(batch), point.throughput_rps,
                                         point.p99_ms, time.monotonic() - started, (cores, batch) in self.cached))
@@ -165,7 +170,8 @@ class _Runs:
         started = time.monotonic()
         s = self.settings
         rps, p99 = measure_layout(self.model_path, self.backend, layout, self.cpus, warmup_s=s.warmup_s,
-                                  window_s=s.window_s, windows=s.verify_windows, timeout_s=timeout_s)
+                                  window_s=s.window_s, windows=s.verify_windows, timeout_s=timeout_s,
+                                  samples=self.samples)
         batches = sorted({shape.batch for shape in layout.instances})
         self.rows.append(MeasurementRow("layout", format_layout(layout), layout.total_cores, len(layout.instances),
                                         "/".join(map(str, batches)), rps, p99, time.monotonic() - started))
@@ -211,12 +217,13 @@ def search_layout(
     progress: ProgressFn | None = None,
     cache_source: str = "layout search",
     strict_cache: bool = True,
+    samples: SampleSpec | None = None,
 ) -> LayoutSearchOutcome:
     """Find the best layout for the model on all of `cpus` (one core per cpu), measured on them.
 
     `cache_dir` None: neither read nor write cached points. `budget_s`: stop measuring once this much
     time has passed (the run under way finishes) and plan from the points measured by then
-    (`complete=False`). Raises reamer.serve.profiler.ProfileError when a measurement fails (points
+    (`complete=False`). `samples`: the traffic's shapes and data (they are part of the cache key). Raises reamer.serve.profiler.ProfileError when a measurement fails (points
     measured before it are still cached) and, with `strict_cache`, ProfileCacheUnwritable when the
     cache cannot be written (else that is logged and the outcome returned).
     """
@@ -226,7 +233,8 @@ def search_layout(
     batches = sorted(set(batches))
     n_cores = len(cpus)
     deadline = time.monotonic() + budget_s if budget_s is not None else None
-    runs = _Runs(model_path, backend, cpus, settings, cached_points(cache_dir, model_path, backend), deadline)
+    runs = _Runs(model_path, backend, cpus, settings, cached_points(cache_dir, model_path, backend, samples),
+                 deadline, samples)
     space = count_layouts(n_cores, batches)
     base_layout = Layout((InstanceShape(n_cores, n_cores, batches[-1]),))
     complete, base = True, None
@@ -260,7 +268,7 @@ def search_layout(
     finally:
         if cache_dir:  # what was measured stays useful, even when the search failed half-way
             try:
-                store_points(cache_dir, model_path, backend, runs.new_points, cache_source)
+                store_points(cache_dir, model_path, backend, runs.new_points, cache_source, samples)
             except ProfileCacheUnwritable as exc:
                 if strict_cache:
                     raise

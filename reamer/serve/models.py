@@ -19,7 +19,11 @@ from onnx import TensorProto, helper, numpy_helper
 from reamer.host.errors import ReamerError
 from reamer.serve.tensors import TensorInfo, onnx_to_v2
 
-MODEL_FAMILIES: tuple[str, ...] = ("resnet50", "mobilenetv2", "bert-base", "deepspeech2", "tiny", "multi-io")
+# torchvision's names where torchvision has the model (what users type), Hugging Face's stem for BERT
+MODEL_FAMILIES: tuple[str, ...] = ("resnet50", "mobilenet_v2", "bert-base", "deepspeech2", "tiny", "multi-io")
+# other spellings users type, matched after lower-casing and dropping "-" and "_" (mobilenetv2, MobileNet-V2, ...)
+FAMILY_ALIASES: dict[str, str] = {"bert": "bert-base", "bertbaseuncased": "bert-base", "bertbasecased": "bert-base",
+                                  "resnet": "resnet50", "mobilenet": "mobilenet_v2", "multiinputoutput": "multi-io"}
 
 OPSET = 17
 IR_VERSION = 8  # the lowest IR that carries opset 17; older runtimes read it too
@@ -288,7 +292,7 @@ def _multi_io(b: _GraphBuilder, features: int = 8, tokens: int = 4, vocab: int =
 
 _BUILDERS: dict[str, Callable[..., tuple[list, list]]] = {
     "resnet50": _resnet50,
-    "mobilenetv2": _mobilenetv2,
+    "mobilenet_v2": _mobilenetv2,
     "bert-base": _bert,
     "deepspeech2": _deepspeech2,
     "tiny": _tiny,
@@ -296,13 +300,28 @@ _BUILDERS: dict[str, Callable[..., tuple[list, list]]] = {
 }
 
 
+def _squash(name: str) -> str:
+    return name.strip().lower().replace("-", "").replace("_", "")
+
+
+def canonical_family(name: str) -> str | None:
+    """The family `name` means (torchvision's `mobilenet_v2`, `mobilenetv2`, `MobileNet-V2`, `bert-base-uncased`,
+    ...), or None."""
+    key = _squash(name)
+    for family in MODEL_FAMILIES:
+        if _squash(family) == key:
+            return family
+    return FAMILY_ALIASES.get(key)
+
+
 def build_model(family: str, out_path: str | os.PathLike, seed: int = 0, **options) -> ModelInfo:
     """Write `family` as an ONNX file at `out_path` (random weights from `seed`) and describe it.
 
-    Options per family: resnet50/mobilenetv2: image_size, num_classes; bert-base: layers, hidden, heads,
+    `family` may be any spelling canonical_family() knows. Options per family: resnet50/mobilenet_v2: image_size, num_classes; bert-base: layers, hidden, heads,
     intermediate, seq_len, vocab_size; deepspeech2: frames, features, rnn_layers, hidden, num_classes;
     tiny: features, hidden, classes; multi-io: features, tokens, vocab, classes.
     """
+    family = canonical_family(family) or family
     builder_fn = _BUILDERS.get(family)
     if builder_fn is None:
         raise UnknownModelFamily(f"unknown model family {family!r}",

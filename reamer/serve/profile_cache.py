@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from reamer.plan.partition import ProfilePoint
+from reamer.serve.samples import SampleSpec
 from reamer.serve.spec import write_atomic
 
 CACHE_FORMAT = 1
@@ -21,8 +22,11 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def model_key(model_path: str | os.PathLike, backend: str, cpu_model: str | None = None) -> str:
-    """Cache key: sha256 over the model file's sha256, the backend and the CPU model name.
+def model_key(model_path: str | os.PathLike, backend: str, cpu_model: str | None = None,
+              samples: SampleSpec | None = None) -> str:
+    """Cache key: sha256 over the model file's sha256, the backend, the CPU model name and, when the
+    traffic was described, its shapes and the sample data's sha256 (a BERT profiled at sequence 128 is
+    another profile than at 16).
 
     `cpu_model` defaults to this host's (from reamer.host.topology).
     """
@@ -30,7 +34,11 @@ def model_key(model_path: str | os.PathLike, backend: str, cpu_model: str | None
         from reamer.host.topology import read_topology
 
         cpu_model = read_topology().model_name
-    material = json.dumps([file_sha256(model_path), backend, cpu_model])
+    parts: list = [file_sha256(model_path), backend, cpu_model]
+    traffic = samples.cache_material() if samples is not None else None
+    if traffic is not None:  # the default inputs keep the key they always had
+        parts.append(traffic)
+    material = json.dumps(parts)
     return hashlib.sha256(material.encode()).hexdigest()
 
 

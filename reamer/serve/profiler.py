@@ -29,6 +29,7 @@ from reamer.host.errors import ReamerError
 
 if TYPE_CHECKING:
     from reamer.plan.partition import ProfilePoint
+    from reamer.serve.samples import SampleSpec
 
 
 class ProfileError(ReamerError):
@@ -48,6 +49,7 @@ class WorkerConfig:
     stability: float = 0.10
     fixed_windows: int | None = None
     seed: int = 0
+    samples: dict | None = None  # samples.SampleSpec.to_doc(): the traffic's shapes and sample data
 
 
 @dataclass
@@ -189,6 +191,10 @@ def _usable_cpus(cpus: Sequence[int] | None, needed: int) -> list[int]:
     return chosen
 
 
+def _doc(samples: "SampleSpec | None") -> dict | None:
+    return None if samples is None or samples.is_default else samples.to_doc()
+
+
 def _run_workers(configs: list[WorkerConfig], timeout_s: float) -> list[WorkerResult]:
     workers: list[ProfileWorker] = []
     try:
@@ -207,22 +213,24 @@ def _run_workers(configs: list[WorkerConfig], timeout_s: float) -> list[WorkerRe
 
 def measure_point(model_path: str | os.PathLike, backend: str, cores: int, batch: int,
                   cpus: Sequence[int] | None = None, *, warmup_s: float = 1.0, window_s: float = 0.5,
-                  max_windows: int = 10, stability: float = 0.10, timeout_s: float = 600.0) -> "ProfilePoint":
-    """One instance with `cores` cores (threads = cores) and batch `batch`, alone on the first `cores` of `cpus`."""
+                  max_windows: int = 10, stability: float = 0.10, timeout_s: float = 600.0,
+                  samples: "SampleSpec | None" = None) -> "ProfilePoint":
+    """One instance with `cores` cores (threads = cores) and batch `batch`, alone on the first `cores` of `cpus`,
+    fed by `samples` (the traffic's shapes and data; default: reamer.serve.samples' rule)."""
     from reamer.plan.partition import ProfilePoint
 
     if cores < 1 or batch < 1:
         raise ProfileError(f"cores ({cores}) and batch ({batch}) must be >= 1", "pass positive values")
     chosen = _usable_cpus(cpus, cores)[:cores]
     cfg = WorkerConfig(os.fspath(model_path), backend, chosen, cores, batch, warmup_s, window_s,
-                       max(3, max_windows), stability)
+                       max(3, max_windows), stability, samples=_doc(samples))
     (res,) = _run_workers([cfg], timeout_s)
     return ProfilePoint(cores=cores, batch=batch, throughput_rps=res.throughput_rps, p99_ms=p99(res.latencies_ms))
 
 
 def measure_layout_detail(model_path: str | os.PathLike, backend: str, layout: Any, cpus: Sequence[int], *,
                           warmup_s: float = 1.0, window_s: float = 0.5, windows: int = 4,
-                          timeout_s: float = 600.0) -> LayoutMeasurement:
+                          timeout_s: float = 600.0, samples: "SampleSpec | None" = None) -> LayoutMeasurement:
     """Run every instance of `layout` (a plan.layout.Layout) together on disjoint slices of `cpus`."""
     instances = list(layout.instances)
     chosen = _usable_cpus(cpus, sum(i.cores for i in instances))
@@ -230,7 +238,8 @@ def measure_layout_detail(model_path: str | os.PathLike, backend: str, layout: A
     for inst in instances:
         threads = getattr(inst, "threads", None) or inst.cores
         configs.append(WorkerConfig(os.fspath(model_path), backend, chosen[start:start + inst.cores], threads,
-                                    inst.batch, warmup_s, window_s, windows, 0.0, fixed_windows=max(1, windows)))
+                                    inst.batch, warmup_s, window_s, windows, 0.0, fixed_windows=max(1, windows),
+                                    samples=_doc(samples)))
         start += inst.cores
     results = _run_workers(configs, timeout_s)
     pooled = [lat for r in results for lat in r.latencies_ms]
@@ -269,14 +278,22 @@ def _worker_main(config_json: str) -> int:
 
     import numpy as np
 
-    from reamer.serve.backends import open_backend, sample_inputs
+    from reamer.serve.backends import open_backend
+    from reamer.serve.samples import SampleSpec, explain_failure, plan_samples
 
     try:
         backend = open_backend(cfg.backend, cfg.model_path, cfg.threads)
-        feeds = sample_inputs(backend, cfg.batch, np.random.default_rng(cfg.seed))
-        backend.run(feeds)
+        plan = plan_samples(backend.inputs, SampleSpec.from_doc(cfg.samples))
+        feeds = plan.batch(cfg.batch, np.random.default_rng(cfg.seed))
     except ReamerError as exc:
         _emit("ERROR", {"message": exc.message, "fix": exc.fix})
+        return 2
+    try:
+        backend.run(feeds)
+    except Exception as exc:  # noqa: BLE001 - runtimes raise their own types
+        _emit("ERROR", {"message": explain_failure(cfg.model_path, plan, feeds, exc),
+                        "fix": "give the traffic's shapes (--shape NAME:DIMS) or sample data (--input-data FILE) "
+                               "that the model accepts"})
         return 2
     warm_until = time.perf_counter() + cfg.warmup_s
     while time.perf_counter() < warm_until:

@@ -86,10 +86,21 @@ class JobSpec:
     slo_ms: float | None = None
     rate_rps: float | None = None
     port: int | None = None
-    host: str = "127.0.0.1"
+    grpc_port: int | None = None  # online: the gRPC front door's port (None or 0 picks a free one)
+    host: str = "0.0.0.0"  # the front door's address: all interfaces, as Triton and KServe listen
     max_request_mb: float = 64.0  # online: larger request bodies get 413
+    frontdoor: dict[str, Any] = field(default_factory=dict)  # online: per-client limits (frontdoor.DoorLimits)
+    log_max_mb: float = 16.0  # job.log is kept under this size (joblog.bound_log)
     input_dir: str | None = None
     output_dir: str | None = None
+    # The traffic's shapes (input name -> dims, perf_analyzer's --shape) and sample data (a .npz or
+    # perf_analyzer JSON file) that the instances warm up on; see reamer.serve.samples.
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    input_data: str | None = None
+
+    def samples(self) -> dict[str, Any]:
+        """The warm-up's samples.SampleSpec as a document (what an InstanceWorker takes)."""
+        return {"shapes": {k: list(v) for k, v in self.shapes.items()}, "input_data": self.input_data}
 
     def __post_init__(self) -> None:
         if self.kind not in ("online", "offline"):
@@ -178,6 +189,7 @@ class JobStatus:
     # and how many instances the spec asks for.
     port: int | None = None
     instances_total: int = 0
+    grpc_port: int | None = None  # where the gRPC front door of an online job listens
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

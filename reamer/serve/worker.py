@@ -9,6 +9,7 @@ records `worker_crashed`, and restarts the worker with a crash-loop backoff (`wo
 from __future__ import annotations
 
 import asyncio
+import json
 import mmap
 import os
 import pickle
@@ -196,10 +197,10 @@ _BOOTSTRAP = "import sys; from reamer.serve.worker import child_main; child_main
 
 
 def child_main(argv: list[str]) -> None:
-    """Worker process entry: argv = [fd, cpus "0,1", sched, threads, backend, model path, in-arena fd,
-    out-arena fd, reply flag fd]."""
+    """Worker process entry: argv = [fd, cpus "0,1", sched, threads, backend, model path, samples (JSON of
+    a samples.SampleSpec), in-arena fd, out-arena fd, reply flag fd]."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C on the job's terminal: the job stops its workers
-    fd, cpu_list, sched, threads, backend_kind, model_path, *shared_fds = argv
+    fd, cpu_list, sched, threads, backend_kind, model_path, samples, *shared_fds = argv
     from reamer.host.sched import set_affinity, set_idle_policy  # light: os and pathlib only
 
     cpus = [int(c) for c in cpu_list.split(",")]
@@ -210,7 +211,8 @@ def child_main(argv: list[str]) -> None:
             set_idle_policy(0)
     except ReamerError as exc:
         problem = f"cannot place the worker (cpus {cpus}, sched {sched}): {exc}"
-    _worker_main(int(fd), problem, int(threads), backend_kind, model_path, [int(f) for f in shared_fds])
+    _worker_main(int(fd), problem, int(threads), backend_kind, model_path, [int(f) for f in shared_fds],
+                 json.loads(samples))
 
 
 def _write_now(fd: int, parts: list[bytes]) -> bytes:
@@ -246,8 +248,26 @@ def _reply_through(fd: int, plan: Any, outputs: dict[str, Any], elapsed: float, 
     return ("replied", tail, elapsed)
 
 
+def _warm_up(backend: Any, samples_doc: dict | None) -> float:
+    """Two runs on the job's sample inputs (samples.py's rule); the second one's latency.
+    WorkerError naming the inputs and the runtime's reason when the model refuses them."""
+    from reamer.serve.samples import SampleSpec, explain_failure, plan_samples
+
+    plan = plan_samples(backend.inputs, SampleSpec.from_doc(samples_doc))
+    warm = plan.batch(1)
+    try:
+        backend.run(warm)
+        t0 = time.perf_counter()
+        backend.run(warm)
+        return time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 - runtimes raise their own types
+        raise WorkerError(explain_failure(backend.model_path, plan, warm, exc),
+                          "give the traffic's shapes (--shape NAME:DIMS) or sample data (--input-data FILE) "
+                          "that the model accepts") from None
+
+
 def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_path: str,
-                 shared_fds: list[int]) -> None:
+                 shared_fds: list[int], samples_doc: dict | None = None) -> None:
     """Body of the worker process, after pinning: open the model, warm up, serve batches from the parent."""
     conn = _Pipe(fd)
     in_arena, out_arena, flag = _Arena(shared_fds[0]), _Arena(shared_fds[1]), _Flag(shared_fds[2])
@@ -257,18 +277,16 @@ def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_p
         conn.send(("fatal", problem))
         raise SystemExit(2)
     try:
-        import numpy as np
-
-        from reamer.serve.backends import open_backend, sample_inputs
+        from reamer.serve.backends import open_backend
 
         backend = open_backend(backend_kind, model_path, threads)
-        warm = sample_inputs(backend, 1, np.random.default_rng(0))
-        backend.run(warm)
-        t0 = time.perf_counter()
-        backend.run(warm)
-        warm_latency = time.perf_counter() - t0
     except BaseException as exc:  # noqa: BLE001 - any failure here must reach the parent as text
         conn.send(("fatal", f"cannot open model {model_path} with {backend_kind}: {exc}"))
+        raise SystemExit(3)
+    try:
+        warm_latency = _warm_up(backend, samples_doc)
+    except BaseException as exc:  # noqa: BLE001
+        conn.send(("fatal", f"warm-up of {os.path.basename(model_path)} with {backend_kind} failed: {exc}"))
         raise SystemExit(3)
     conn.send(("ready", {
         "pid": os.getpid(),
@@ -324,8 +342,10 @@ class InstanceWorker:
     MAX_BACKOFF_S = 30.0
 
     def __init__(self, index: int, spec: InstanceSpec, model_path: str, backend: str = "onnxruntime",
-                 run_dir: str | None = None, start_timeout_s: float = 120.0) -> None:
+                 run_dir: str | None = None, start_timeout_s: float = 120.0,
+                 samples: dict | None = None) -> None:
         self.index = index
+        self.samples = samples or {}  # samples.SampleSpec.to_doc(): the warm-up's shapes and data
         self.spec = spec
         self.model_path = str(model_path)
         self.backend = backend
@@ -394,7 +414,8 @@ class InstanceWorker:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(child_sock.fileno()), cpus, self.spec.sched,
-                 str(self.spec.threads), self.backend, self.model_path, *map(str, shared_fds)],
+                 str(self.spec.threads), self.backend, self.model_path, json.dumps(self.samples),
+                 *map(str, shared_fds)],
                 pass_fds=(child_sock.fileno(), *shared_fds), stdin=subprocess.DEVNULL)
         finally:
             child_sock.close()  # so a dead child gives EOF here
@@ -500,6 +521,10 @@ class InstanceWorker:
                 raise
             finally:
                 loop.remove_reader(fd)
+                # uvloop (libuv's uv_poll_init) makes a watched fd non-blocking, and the pipe reads a
+                # message in blocking reads: a reply over 16 KB comes as two writes (size, then body),
+                # and a read between them failed with EAGAIN, which looked like a dead instance.
+                os.set_blocking(fd, True)
         return conn.recv()
 
     def _begin(self, inputs: dict[str, np.ndarray]) -> tuple[int, float]:

@@ -59,20 +59,20 @@ def test_openvino_applies_thread_and_precision_settings(model_paths):
         b.close()
 
 
-def test_sample_inputs_honour_dtypes_and_ranges(opened):
+def test_sample_inputs_are_zeros_for_integers_and_normal_floats(opened):
     feeds = sample_inputs(opened[("onnxruntime", "multi-io")], 4, np.random.default_rng(0))
-    assert feeds["x"].dtype == np.float32 and feeds["x"].shape == (4, 8)
+    assert feeds["x"].dtype == np.float32 and feeds["x"].shape == (4, 8) and feeds["x"].std() > 0.1
     assert feeds["ids"].dtype == np.int64 and feeds["ids"].shape == (4, 4)
-    assert feeds["ids"].min() >= 0 and feeds["ids"].max() < 10
+    assert np.all(feeds["ids"] == 0)  # zero is a valid index into every table (issue 12)
 
 
-def test_sample_inputs_masks_and_dynamic_dims():
+def test_sample_inputs_dynamic_dims():
     class Fake:
         inputs = [TensorInfo("input_ids", "INT64", [-1, -1]), TensorInfo("attention_mask", "INT64", [-1, -1])]
 
     feeds = sample_inputs(Fake(), 2, np.random.default_rng(0), dims={"input_ids": 5, "attention_mask": 5})
-    assert feeds["input_ids"].shape == (2, 5)
-    assert np.all(feeds["attention_mask"] == 1)
+    assert feeds["input_ids"].shape == feeds["attention_mask"].shape == (2, 5)
+    assert np.all(feeds["attention_mask"] == 0)
 
 
 def test_inputs_are_cast_to_the_model_dtype(opened):

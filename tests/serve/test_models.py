@@ -43,8 +43,26 @@ def test_resnet50_has_torchvision_parameter_count(built):
     assert built("resnet50").params == 25_557_032
 
 
-def test_mobilenetv2_has_torchvision_parameter_count(built):
-    assert built("mobilenetv2").params == 3_504_872
+def test_mobilenet_v2_has_torchvision_parameter_count(built):
+    assert built("mobilenet_v2").params == 3_504_872
+
+
+@pytest.mark.parametrize("typed, family", [("mobilenet_v2", "mobilenet_v2"), ("mobilenetv2", "mobilenet_v2"),
+                                           ("MobileNet-V2", "mobilenet_v2"), ("resnet50", "resnet50"),
+                                           ("ResNet-50", "resnet50"), ("bert-base", "bert-base"),
+                                           ("bert_base_uncased", "bert-base"), ("multi_io", "multi-io")])
+def test_family_names_users_type(typed, family):
+    from reamer.serve.models import canonical_family
+
+    assert canonical_family(typed) == family
+
+
+def test_unknown_family_is_refused_with_the_names():
+    from reamer.serve.models import UnknownModelFamily
+
+    with pytest.raises(UnknownModelFamily) as exc:
+        build_model("vgg99", "/nonexistent/x.onnx")
+    assert "mobilenet_v2" in exc.value.fix
 
 
 @pytest.mark.parametrize("family", MODEL_FAMILIES)
