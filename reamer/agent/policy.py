@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from reamer.host.errors import ReamerError
 from reamer.host.identity import ProcessFacts
@@ -138,8 +138,3 @@ def check_job_owner(caller: Caller, kind: str, name: str, owner_uid: int) -> Non
     if not caller.is_root and caller.uid != owner_uid:
         raise Forbidden("job_owner", f"{kind} job {name!r} belongs to uid {owner_uid}, not to the caller ({caller})",
                         "act only on jobs you created (see the owner_uid of `list`), or ask root")
-
-
-def owned_or_root(caller: Caller, owners: Iterable[int]) -> bool:
-    """True when the caller may act on something owned by all of `owners`."""
-    return caller.is_root or all(uid == caller.uid for uid in owners)

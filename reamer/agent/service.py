@@ -65,6 +65,8 @@ class Agent:
             config.run_dir, config.reserved_cpus, offline_sched=config.inference.offline_sched,
             max_request_mb=config.inference.max_request_mb, emit=self.events.emit, save=self._save_inference, restart_limit=config.inference.restart_limit,
             restart_window_s=config.inference.restart_window_s)
+        self.supervisor.frontdoor = config.inference.frontdoor.model_dump()
+        self.supervisor.job_log_mb = config.inference.job_log_mb
         profile_dir = config.inference.profile_dir or str(Path(config.state_dir) / "profiles")
         self.choose_layout: LayoutChooser = layout_chooser or load_chooser(config.inference.layout_chooser, profile_dir, config.inference)
         self.gpu = gpu_manager
@@ -571,8 +573,8 @@ class Agent:
         """Register a GPU job; returns its view with `env` (the launch environment: MPS pipe directory,
         active-thread percentage, pinned-memory limit, CUDA_VISIBLE_DEVICES=<uuid>). Its pids (which
         eviction and fault handling may signal) must be running processes the caller may touch."""
-        manager = self._gpu_manager()
         pids = self._check_pids(req["pids"], caller) if req.get("pids") else None
+        manager = self._gpu_manager()
         return manager.register_job(req["name"], _gpu_ref(req["gpu"]), req["sm_percent"], req.get("mem_limit_mb"),
                                     kind=req.get("kind", "training"), pids=pids, owner_uid=caller.uid)
 
