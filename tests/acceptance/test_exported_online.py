@@ -1,0 +1,47 @@
+"""Exported models served online by a real agent, asked by the standard clients.
+
+For every exported model and every backend that can load it: deploy through the agent's API (layout
+1x1:b4), then for every client and encoding (tritonclient HTTP: binary and JSON inputs and outputs in
+every combination) send a batch of 1 and a full batch of 4, and compare every output with a direct ONNX
+Runtime run of the same file (tight tolerance; looser where the model is INT8 or FP16).
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.acceptance.clients import CLIENT_VARIANTS, CLIENTS
+from tests.acceptance.conftest import (BACKENDS, FULL_BATCH, assert_outputs_match, model_path, needs_rt_host,
+                                       reference)
+from tests.acceptance.exported_models import SPECS
+
+pytestmark = [needs_rt_host, pytest.mark.root, pytest.mark.slow]
+
+# (model, backend) outermost, so the tests of one deployment run one after another and share it
+CASES = [pytest.param(model, backend, client, variant, batch, id=f"{model}-{backend}-{client}-{variant}-b{batch}")
+         for model, spec in SPECS.items()
+         for backend in BACKENDS if backend == "onnxruntime" or spec.openvino
+         for client, variant in CLIENT_VARIANTS
+         for batch in (1, FULL_BATCH)]
+
+
+@pytest.mark.parametrize("model, backend, client, variant, batch", CASES)
+def test_online_answers_equal_a_direct_onnxruntime_run(online, models_dir, model, backend, client, variant, batch):
+    spec = SPECS[model]
+    job = online.get(model, backend)
+    inputs = spec.sample(batch, seed=batch)
+    want = reference(model_path(models_dir, model), inputs)
+    got = CLIENTS[client].infer(job, job.name, inputs, list(spec.outputs), variant)
+    assert_outputs_match(spec, got, want, f"{model} on {backend} via {client} {variant}, batch {batch}")
+
+
+@pytest.mark.parametrize("model", [m for m, s in SPECS.items() if s.sequence])
+def test_sequence_models_take_other_lengths(online, models_dir, model):
+    """A dynamic sequence axis is dynamic: lengths other than the warm-up's answer as well."""
+    spec = SPECS[model]
+    job = online.get(model, "onnxruntime")
+    client, variant = CLIENT_VARIANTS[0]
+    for seq in (1, 7, 64):
+        inputs = spec.sample(2, seq=seq, seed=seq)
+        want = reference(model_path(models_dir, model), inputs)
+        got = CLIENTS[client].infer(job, job.name, inputs, list(spec.outputs), variant)
+        assert_outputs_match(spec, got, want, f"{model} at seq {seq}")
