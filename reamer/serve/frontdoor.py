@@ -36,7 +36,7 @@ import time
 import traceback
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from urllib.parse import unquote
 
@@ -153,7 +153,8 @@ def _json_tensor(data: Any, dtype: np.dtype, where: str, datatype: str) -> np.nd
     raw = raw.reshape(-1)
     if dtype.kind in "iu" and raw.size:
         if raw.dtype.kind == "f" and not np.array_equal(raw, np.trunc(raw)):
-            raise BadRequest(f"{where}.data has a value that is not a whole number ({raw[raw != np.trunc(raw)][0]!r})",
+            raise BadRequest(f"{where}.data has a value that is not a whole number "
+                             f"({float(raw[raw != np.trunc(raw)][0]):g})",
                              f"send whole numbers for {datatype}")
         info = _INT_RANGES[dtype]
         low, high = raw.min(), raw.max()
@@ -161,7 +162,8 @@ def _json_tensor(data: Any, dtype: np.dtype, where: str, datatype: str) -> np.nd
             bad = low if low < info.min else high
             raise BadRequest(f"{where}.data has {bad:.6g}, outside the range of {datatype} ({info.min}..{info.max})",
                              f"send {datatype} values within its range")
-    arr = raw.astype(dtype, copy=False)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below, not warned about
+        arr = raw.astype(dtype, copy=False)
     if dtype.kind == "f" and arr.size and not np.isfinite(arr).all():
         raise BadRequest(f"{where}.data has a value too large for {datatype}", f"send finite {datatype} values")
     return arr
@@ -393,12 +395,29 @@ class DoorLimits:
     def buffered_budget(self) -> int:
         return max(self.max_buffered_bytes, self.max_request_bytes)
 
+    # config keys (agent config `inference.frontdoor`, job spec `frontdoor`) whose unit differs from a field's
+    _SCALED = {"max_buffered_mb": ("max_buffered_bytes", 1 << 20), "json_offload_kb": ("offload_bytes", 1 << 10)}
+
+    @classmethod
+    def from_settings(cls, max_request_mb: float, settings: dict[str, Any]) -> "DoorLimits":
+        """The limits of a job spec: its max_request_mb and its `frontdoor` section (config key names)."""
+        request = int(max_request_mb * 2**20)
+        values: dict[str, Any] = {"max_request_bytes": request, "max_pipelined_bytes": request}
+        known = {f.name for f in fields(cls)}
+        for key, value in settings.items():
+            name, scale = cls._SCALED.get(key, (key, None))
+            if name not in known or name in ("max_request_bytes", "max_pipelined_bytes"):
+                raise ReamerError(f"job spec frontdoor has unknown key {key!r}",
+                                  "use the keys of the agent config's inference.frontdoor section")
+            values[name] = int(value * scale) if scale else value
+        return cls(**values)
+
 
 class ClientErrorLog:
     """One line per refused request on stderr (job.log), at most `burst` lines per `window_s`; the rest
     are counted and reported in one line, so a hostile client cannot fill the log."""
 
-    def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
+    def __init__(self, burst: int = 100, window_s: float = 10.0) -> None:
         self.burst, self.window_s = burst, window_s
         self._window_start = 0.0
         self._lines = 0
