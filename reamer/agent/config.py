@@ -34,6 +34,30 @@ class TrainingConfig(_Section):
     rt_runtime_us: int = Field(default=900000, ge=1000, le=950000)
 
 
+class FrontDoorConfig(_Section):
+    """What one client may cost an online job's REST front door (defaults follow nginx's)."""
+
+    # Open connections per job; one more gets 503 and is closed at once.
+    max_connections: int = Field(default=1024, ge=1, le=1_000_000)
+    # The request line and headers must arrive within this; else 408 and the connection closes.
+    header_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    # A request body that stalls (no bytes) this long: 408, closed.
+    body_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    # A keep-alive connection with no request in progress is closed after this.
+    idle_timeout_s: float = Field(default=75.0, gt=0, le=86400)
+    # A client that takes none of its answer this long is cut off.
+    send_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    # Longest URL (414 past it) and largest header section (431 past it), in bytes.
+    max_url_bytes: int = Field(default=8192, ge=256, le=1 << 20)
+    max_header_bytes: int = Field(default=32768, ge=1024, le=1 << 24)
+    # Unanswered pipelined requests per connection before the job stops reading from it.
+    max_pipelined: int = Field(default=16, ge=1, le=1024)
+    # Request bodies all connections together may hold (MiB); past it a new body gets 503.
+    max_buffered_mb: float = Field(default=256.0, gt=0, le=1 << 20)
+    # JSON request and answer bodies larger than this (KiB) are coded on a helper thread.
+    json_offload_kb: float = Field(default=64.0, ge=0, le=1 << 20)
+
+
 class InferenceConfig(_Section):
     # How offline instances on training cores give way: "rr-preempt" = they run SCHED_OTHER and the
     # SCHED_RR training threads preempt them; "idle" = they also run SCHED_IDLE.
@@ -56,6 +80,10 @@ class InferenceConfig(_Section):
     # Crash-loop guard: a job process restarted more than restart_limit times in restart_window_s fails.
     # Largest online request body a job's front door takes; bigger ones get 413 before they are read.
     max_request_mb: float = Field(default=64.0, gt=0, le=4096)
+    # Per-client limits of the online front door (timeouts, connections, sizes).
+    frontdoor: FrontDoorConfig = Field(default_factory=FrontDoorConfig)
+    # job.log of each job is kept under this size (MiB): past it, it is moved to job.log.1.
+    job_log_mb: float = Field(default=16.0, gt=0, le=1 << 20)
     restart_limit: int = Field(default=5, ge=0)
     restart_window_s: float = Field(default=60.0, gt=0)
 

@@ -258,6 +258,8 @@ class InferenceSupervisor:
         self.reserved = sorted(reserved_cpus)
         self.offline_sched = offline_sched
         self.max_request_mb = max_request_mb
+        self.frontdoor: dict[str, Any] = {}  # inference.frontdoor of the config: the front door's limits
+        self.job_log_mb = 16.0  # inference.job_log_mb: job.log is kept under this
         self.emit = emit or (lambda *a, **k: None)
         self.save = save or (lambda rec: None)
         self.restart_limit = restart_limit
@@ -389,7 +391,8 @@ class InferenceSupervisor:
         return JobSpec(name=rec.name, kind=rec.kind, model=rec.model, backend=rec.backend, instances=instances,
                        frontdoor_cpus=frontdoor, slo_ms=rec.slo_ms, rate_rps=rec.rate_rps, port=rec.port,
                        input_dir=rec.input_dir, output_dir=rec.output_dir, run_dir=str(self.job_dir(rec.name)),
-                       max_request_mb=self.max_request_mb)
+                       max_request_mb=self.max_request_mb, frontdoor=dict(self.frontdoor),
+                       log_max_mb=self.job_log_mb)
 
     def allowed_cpus(self, rec: InferenceRecord) -> set[int]:
         spec = self.build_spec(rec)

@@ -27,6 +27,7 @@ import uvloop
 from reamer.host.errors import ReamerError
 from reamer.host.malloc import keep_large_buffers
 from reamer.host.sched import ThreadGone, set_affinity, threads_of
+from reamer.serve.joblog import bound_log
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus, SpecError, append_event, plan_reconcile
 from reamer.serve.worker import InstanceWorker, WorkerStartError
 
@@ -68,6 +69,7 @@ class Job:
             self.status.write(self.run_dir)
         except OSError as exc:  # a full disk must not kill serving
             print(f"reamer job {self.spec.name}: cannot write status: {exc}", file=sys.stderr)
+        bound_log(2, int(self.spec.log_max_mb * 2**20))  # job.log: copied to job.log.1 past it
 
     def _fail(self, message: str) -> int:
         self.status.state = "failed"
@@ -142,7 +144,7 @@ class Job:
     # -- online
     async def _run_online(self) -> int:
         from reamer.serve.batcher import DynamicBatcher
-        from reamer.serve.frontdoor import FrontDoor, V2App
+        from reamer.serve.frontdoor import DoorLimits, FrontDoor, V2App
         from reamer.serve.stats import OverloadDetector, RequestStats
 
         spec = self.spec
@@ -156,8 +158,8 @@ class Job:
         overload = OverloadDetector(spec.rate_rps, sustain_s=OVERLOAD_SUSTAIN_S)
         batcher = DynamicBatcher(spec.slo_ms, stats, name=spec.name)
         platform = "onnxruntime_onnx" if spec.backend == "onnxruntime" else "openvino"
-        door = FrontDoor(V2App(spec.name, batcher, platform), spec.host, spec.port or 0,
-                         max_request_bytes=int(spec.max_request_mb * 2**20))
+        limits = DoorLimits.from_settings(spec.max_request_mb, spec.frontdoor)
+        door = FrontDoor(V2App(spec.name, batcher, platform, limits), spec.host, spec.port or 0)
         self.status.port = door.port
         self._write_status()  # the port is known now, before the workers are up
         serving = loop.create_task(door.serve())
