@@ -91,8 +91,6 @@ class JobSpec:
     max_request_mb: float = 64.0  # online: larger request bodies get 413
     frontdoor: dict[str, Any] = field(default_factory=dict)  # online: per-client limits (frontdoor.DoorLimits)
     log_max_mb: float = 16.0  # job.log is kept under this size (joblog.bound_log)
-    frontdoor: dict[str, Any] = field(default_factory=dict)  # online: per-client limits (frontdoor.DoorLimits)
-    log_max_mb: float = 16.0  # job.log is kept under this size (joblog.bound_log)
     input_dir: str | None = None
     output_dir: str | None = None
     # The traffic's shapes (input name -> dims, perf_analyzer's --shape) and sample data (a .npz or
