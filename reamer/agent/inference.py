@@ -201,6 +201,7 @@ class InferenceRecord:
     slo_ms: float | None = None
     rate_rps: float | None = None
     port: int | None = None
+    grpc_port: int | None = None  # online: the gRPC front door's port
     input_dir: str | None = None
     output_dir: str | None = None
     max_batch: int | None = None
@@ -390,6 +391,7 @@ class InferenceSupervisor:
         frontdoor = self.reserved or own or sorted({c for i in rec.instances for c in i["cpus"]})
         return JobSpec(name=rec.name, kind=rec.kind, model=rec.model, backend=rec.backend, instances=instances,
                        frontdoor_cpus=frontdoor, slo_ms=rec.slo_ms, rate_rps=rec.rate_rps, port=rec.port,
+                       grpc_port=rec.grpc_port,
                        input_dir=rec.input_dir, output_dir=rec.output_dir, run_dir=str(self.job_dir(rec.name)),
                        max_request_mb=self.max_request_mb, frontdoor=dict(self.frontdoor),
                        log_max_mb=self.job_log_mb)
@@ -541,8 +543,9 @@ class InferenceSupervisor:
         except (OSError, ValueError, TypeError):
             return
         self._status[rec.name] = status
-        if status.port and not rec.port:
-            rec.port = status.port
+        if (status.port and not rec.port) or (status.grpc_port and not rec.grpc_port):
+            rec.port = rec.port or status.port
+            rec.grpc_port = rec.grpc_port or status.grpc_port
             self.save(rec)
 
     def _forward_events(self, rec: InferenceRecord) -> None:
@@ -633,8 +636,12 @@ def validate_request(req: dict[str, Any], default_backend: str) -> InferenceReco
             raise InvalidRequest(f"input directory {req['input_dir']} does not exist",
                                  "create it and put .npy/.npz inputs in it")
         Path(req["output_dir"]).mkdir(parents=True, exist_ok=True)
+    if req.get("grpc_port") and req.get("grpc_port") == req.get("port"):
+        raise InvalidRequest(f"grpc_port {req['grpc_port']} is also the REST port",
+                             "give gRPC another port, or leave grpc_port out to get a free one")
     return InferenceRecord(name=req["name"], model=str(model), kind=kind, backend=backend,
                            slo_ms=req.get("slo_ms"), rate_rps=req.get("rate_rps"), port=req.get("port"),
+                           grpc_port=req.get("grpc_port"),
                            input_dir=req.get("input_dir"), output_dir=req.get("output_dir"),
                            max_batch=req.get("max_batch"), layout=layout or None)
 

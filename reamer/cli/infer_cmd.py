@@ -25,7 +25,7 @@ def infer() -> None:
 
 
 def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, rate, port, input_dir, output_dir,
-                   backend, max_batch, layout) -> dict:
+                   backend, max_batch, layout, grpc_port=None) -> dict:
     if online == offline:
         raise BadInput("say whether the job is --online or --offline", "add --online --slo-ms MS, or "
                        "--offline --input DIR --output DIR")
@@ -36,8 +36,10 @@ def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, r
                        "point --input at a directory of .npy/.npz files and --output at where results go")
     if online and (input_dir or output_dir):
         raise BadInput("--input/--output are for offline jobs", "drop them, or use --offline")
-    if offline and (slo_ms is not None or rate is not None or port is not None):
-        raise BadInput("--slo-ms/--rate/--port are for online jobs", "drop them, or use --online")
+    if offline and (slo_ms is not None or rate is not None or port is not None or grpc_port is not None):
+        raise BadInput("--slo-ms/--rate/--port/--grpc-port are for online jobs", "drop them, or use --online")
+    if grpc_port is not None and grpc_port == port:
+        raise BadInput(f"--grpc-port {grpc_port} is also the REST --port", "give gRPC another port, or leave it out")
     if layout is not None:
         from reamer.plan.layout import parse_layout
 
@@ -50,7 +52,7 @@ def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, r
         raise BadInput(f"model file {model} does not exist",
                        "build one with `reamer models build tiny --out tiny.onnx` or give the path to an ONNX file")
     request = {"name": name, "model": model_path, "kind": "online" if online else "offline",
-               "slo_ms": slo_ms, "rate_rps": rate, "port": port,
+               "slo_ms": slo_ms, "rate_rps": rate, "port": port, "grpc_port": grpc_port,
                "input_dir": os.path.abspath(input_dir) if input_dir else None,
                "output_dir": os.path.abspath(output_dir) if output_dir else None,
                "backend": backend, "max_batch": max_batch, "layout": layout}
@@ -100,6 +102,8 @@ def wait_for_job(client, name: str, kind: str, timeout_s: float | None = None, s
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Online: expected request rate (rps), used for admission.")
 @click.option("--port", type=click.IntRange(1, 65535), default=None, help="Online: REST port (default: a free one).")
+@click.option("--grpc-port", type=click.IntRange(1, 65535), default=None,
+              help="Online: gRPC port (Open Inference Protocol, tritonclient.grpc; default: a free one).")
 @click.option("--input", "input_dir", default=None, metavar="DIR", help="Offline: directory of .npy/.npz inputs.")
 @click.option("--output", "output_dir", default=None, metavar="DIR", help="Offline: directory for results.")
 @click.option("--backend", type=click.Choice(BACKENDS), default=None, help="Inference runtime (default: config).")
@@ -108,10 +112,10 @@ def wait_for_job(client, name: str, kind: str, timeout_s: float | None = None, s
 @click.option("--wait", is_flag=True, help="Wait until the job runs (online) or is done (offline, progress bar).")
 @pass_cli
 def deploy(cli: CliContext, name, model, online, offline, slo_ms, rate, port, input_dir, output_dir, backend,
-           max_batch, layout, wait) -> None:
+           max_batch, layout, wait, grpc_port=None) -> None:
     """Deploy an inference job on the idle cores."""
     request = deploy_request(name, model, online, offline, slo_ms, rate, port, input_dir, output_dir, backend,
-                             max_batch, layout)
+                             max_batch, layout, grpc_port=grpc_port)
     client = cli.client()
     job = client.deploy_inference(request)
     if wait:
@@ -119,6 +123,7 @@ def deploy(cli: CliContext, name, model, online, offline, slo_ms, rate, port, in
     emit(cli, job, lambda j: f"deployed {field(j, 'name')} ({field(j, 'kind')}): {field(j, 'state')}"
                              + (f", layout {field(j, 'layout')}" if field(j, "layout") else "")
                              + (f", port {field(j, 'port')}" if field(j, "port") else "")
+                             + (f", gRPC port {field(j, 'grpc_port')}" if field(j, "grpc_port") else "")
                              + (f" — {field(j, 'message')}" if field(j, "message") else ""))
 
 
@@ -134,6 +139,7 @@ def render_job(job) -> str:
         ("name", field(job, "name")), ("kind", field(job, "kind")), ("state", field(job, "state")),
         ("model", field(job, "model")), ("backend", field(job, "backend")), ("layout", field(job, "layout")),
         ("slo ms", field(job, "slo_ms")), ("rate rps", field(job, "rate_rps")), ("port", field(job, "port")),
+        ("grpc port", field(job, "grpc_port")),
         ("input", field(job, "input_dir")), ("output", field(job, "output_dir")), ("pid", field(job, "pid")),
         ("progress", inference_progress(job)), ("message", field(job, "message") or "-"),
     ])

@@ -1,7 +1,7 @@
 """Run one inference job: `python -m reamer.serve.job --spec SPEC.json`.
 
 The job process pins itself to `frontdoor_cpus`, starts one worker per instance, and then serves
-(online: v2 REST front door + dynamic batcher) or works through its inputs (offline). It writes
+(online: v2 REST and gRPC front doors + dynamic batcher) or works through its inputs (offline). It writes
 `<run_dir>/status.json` about every 0.5 s and appends events to `<run_dir>/events.jsonl`.
 
 Signals: SIGHUP re-reads the spec and restarts only the instances whose (cpus, threads, max_batch,
@@ -145,6 +145,7 @@ class Job:
     async def _run_online(self) -> int:
         from reamer.serve.batcher import DynamicBatcher
         from reamer.serve.frontdoor import DoorLimits, FrontDoor, V2App
+        from reamer.serve.grpc_frontdoor import GrpcFrontDoor, GrpcV2Service
         from reamer.serve.stats import OverloadDetector, RequestStats
 
         spec = self.spec
@@ -161,13 +162,19 @@ class Job:
         limits = DoorLimits.from_settings(spec.max_request_mb, spec.frontdoor)
         door = FrontDoor(V2App(spec.name, batcher, platform, limits), spec.host, spec.port or 0)
         self.status.port = door.port
-        self._write_status()  # the port is known now, before the workers are up
+        # gRPC beside REST (Open Inference Protocol's gRPC form), over the same batcher and limits
+        grpc_door = GrpcFrontDoor(GrpcV2Service(spec.name, batcher, platform), spec.host, spec.grpc_port or 0,
+                                  max_request_bytes=int(spec.max_request_mb * 2**20))
+        self.status.grpc_port = await grpc_door.start()
+        self._write_status()  # the ports are known now, before the workers are up
         serving = loop.create_task(door.serve())
+        grpc_serving = loop.create_task(grpc_door.serve())
 
         workers, errors = await loop.run_in_executor(None, self._start_workers, list(enumerate(spec.instances)))
         if len(errors) == len(workers):
             door.request_stop()
-            await serving
+            grpc_door.request_stop()
+            await asyncio.gather(serving, grpc_serving)
             return self._fail(f"no instance could start: {errors[0]}")
         self.workers = workers
         for w in workers:
@@ -178,6 +185,9 @@ class Job:
             if serving.done():
                 exc = serving.exception()
                 return self._fail(f"the front door stopped: {exc}" if exc else "the front door stopped")
+            if grpc_serving.done():
+                exc = grpc_serving.exception()
+                return self._fail(f"the gRPC front door stopped: {exc}" if exc else "the gRPC front door stopped")
             # Reload in the background (starting workers takes seconds) so status keeps flowing.
             if self._hup.is_set() and (reloading is None or reloading.done()):
                 self._hup.clear()
@@ -208,7 +218,8 @@ class Job:
         if reloading is not None and not reloading.done():
             await reloading
         door.request_stop()
-        await serving
+        grpc_door.request_stop()
+        await asyncio.gather(serving, grpc_serving)
         await batcher.close()
         # State stays as it was: "done" would tell the agent an online job finished on its own.
         self.status.instances_ready = 0
@@ -238,6 +249,9 @@ class Job:
         overload.admitted_rps = new.rate_rps
         if new.port not in (self.spec.port, 0, None) and new.port != self.status.port:
             self._event("reload_failed", f"port change to {new.port} needs a restart of the job; still on {self.status.port}")
+        if new.grpc_port not in (self.spec.grpc_port, 0, None) and new.grpc_port != self.status.grpc_port:
+            self._event("reload_failed", f"gRPC port change to {new.grpc_port} needs a restart of the job; "
+                                         f"still on {self.status.grpc_port}")
         self.spec = new
         self._event("reconfigured", f"instances: kept {len(kept)}, started {len(start)}, stopped {len(retire)}",
                     kept=len(kept), started=len(start), stopped=len(retire))
