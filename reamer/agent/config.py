@@ -63,6 +63,20 @@ class InferenceConfig(_Section):
     # SCHED_RR training threads preempt them; "idle" = they also run SCHED_IDLE.
     offline_sched: Literal["rr-preempt", "idle"] = "rr-preempt"
     default_backend: Literal["onnxruntime", "openvino"] = "onnxruntime"
+    # The address online jobs' front doors listen on: 0.0.0.0 = every interface (clients are elsewhere
+    # in the cluster); one address of this node to keep them to it (127.0.0.1: this host only).
+    bind_address: str = "0.0.0.0"
+
+    @field_validator("bind_address")
+    @classmethod
+    def _an_ip_address(cls, value: str) -> str:
+        import ipaddress
+
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IP address (use 0.0.0.0 for every interface, or one address "
+                             "of this node)") from None
     # "module:function" returning reamer.agent.inference.LayoutChoice (None: built-in profile-cache chooser).
     layout_chooser: Optional[str] = None
     # Where cached profiles are read from (default: <state_dir>/profiles).

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import psutil
 
@@ -26,9 +26,13 @@ from reamer.agent.errors import AdmissionRefused, InvalidRequest
 from reamer.host.errors import ReamerError
 from reamer.serve.spec import EVENTS_FILE, STATUS_FILE, InstanceSpec, JobSpec, JobStatus, read_events
 
+if TYPE_CHECKING:
+    from reamer.serve.samples import SampleSpec
+
 log = logging.getLogger("reamer.inference")
 
 DEFAULT_BATCH = 4
+DEFAULT_BIND_ADDRESS = "0.0.0.0"  # online front doors listen on every interface, as Triton and KServe do
 STOP_TIMEOUT_S = 5.0
 LEAVE_TIMEOUT_S = 5.0
 FORWARDED_EVENTS = ("overload", "worker_crashed", "worker_restarted", "done", "failed")
@@ -66,9 +70,11 @@ def load_chooser(spec: str | None, profile_dir: str | Path, config: Any = None) 
 
 
 def choose_for(chooser: LayoutChooser, rec: "InferenceRecord", cpus: list[int]) -> "LayoutChoice | None":
-    """Ask `chooser` for the layout of `rec` on `cpus`; the built-in chooser also keeps to the job's max batch."""
+    """Ask `chooser` for the layout of `rec` on `cpus`; the built-in chooser also keeps to the job's max batch
+    and measures (and looks up cached profiles) with the job's traffic shapes and sample data."""
     if isinstance(chooser, ProfileCacheChooser):
-        return chooser(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps, max_batch=rec.max_batch)
+        return chooser(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps, max_batch=rec.max_batch,
+                       samples=rec.samples())
     return chooser(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps)
 
 
@@ -105,37 +111,41 @@ class ProfileCacheChooser:
         self._searching = threading.Lock()
 
     def __call__(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
-                 rate_rps: float | None, *, max_batch: int | None = None) -> LayoutChoice | None:
-        """`max_batch`: the job's largest batch (None: up to the configured search_max_batch)."""
+                 rate_rps: float | None, *, max_batch: int | None = None,
+                 samples: "SampleSpec | None" = None) -> LayoutChoice | None:
+        """`max_batch`: the job's largest batch (None: up to the configured search_max_batch). `samples`: the
+        traffic's shapes and data (profiles are cached per traffic)."""
         if not cpus:
             return None
-        choice = self._from_cache(model, backend, cpus, slo_ms, rate_rps, max_batch)
+        choice = self._from_cache(model, backend, cpus, slo_ms, rate_rps, max_batch, samples)
         if choice is not None or self.search is None:
             return choice
         asked = time.monotonic()
         with self._searching:  # concurrent deploys see the same free cpus: their searches take turns
             # a search that ran while we waited may have cached what we need
-            return self._from_cache(model, backend, cpus, slo_ms, rate_rps, max_batch) or \
+            return self._from_cache(model, backend, cpus, slo_ms, rate_rps, max_batch, samples) or \
                 self._measure(model, backend, cpus, slo_ms, rate_rps, max_batch,
-                              budget_s=self.search.budget_s - (time.monotonic() - asked))
+                              budget_s=self.search.budget_s - (time.monotonic() - asked), samples=samples)
 
-    def _cached_points(self, model: str, backend: str) -> list:
+    def _cached_points(self, model: str, backend: str, samples: "SampleSpec | None" = None) -> list:
         from reamer.serve.profile_cache import ProfileCache, model_key
 
         if not self.profile_dir.is_dir():
             return []
         try:
-            return ProfileCache(self.profile_dir).get(model_key(model, backend)) or []
+            return ProfileCache(self.profile_dir).get(model_key(model, backend, samples=samples)) or []
         except (OSError, ValueError) as exc:  # an unreadable cache is a miss, never a failed deploy
             log.debug("no profile for %s/%s: %s", model, backend, exc)
             return []
 
     def _from_cache(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
-                    rate_rps: float | None, max_batch: int | None) -> LayoutChoice | None:
+                    rate_rps: float | None, max_batch: int | None,
+                    samples: "SampleSpec | None" = None) -> LayoutChoice | None:
         from reamer.plan.partition import NoFeasibleLayout
         from reamer.plan.search import plan_from_profile
 
-        points = [p for p in self._cached_points(model, backend) if max_batch is None or p.batch <= max_batch]
+        points = [p for p in self._cached_points(model, backend, samples)
+                  if max_batch is None or p.batch <= max_batch]
         # a profile measured on fewer cores than are free now is a miss when we may measure
         if not points or (self.search is not None and max(p.cores for p in points) < len(cpus)):
             return None
@@ -146,7 +156,8 @@ class ProfileCacheChooser:
         return self._admit(candidate, slo_ms, rate_rps, "planned from the cached profile")
 
     def _measure(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
-                 rate_rps: float | None, max_batch: int | None, budget_s: float) -> LayoutChoice | None:
+                 rate_rps: float | None, max_batch: int | None, budget_s: float,
+                 samples: "SampleSpec | None" = None) -> LayoutChoice | None:
         """The search within `budget_s` (what is left of search.budget_s after waiting for another)."""
         from reamer.serve.layout_search import MeasureSettings, batch_choices, search_layout
 
@@ -159,7 +170,7 @@ class ProfileCacheChooser:
                                     batches=batch_choices(min(s.max_batch, max_batch or s.max_batch)),
                                     budget_s=budget_s,
                                     settings=MeasureSettings(warmup_s=s.warmup_s, window_s=s.window_s),
-                                    strict_cache=False, cache_source="agent deploy")
+                                    strict_cache=False, cache_source="agent deploy", samples=samples)
         except ReamerError as exc:  # the model would not run here: the job itself will say why
             log.warning("layout search for %s failed: %s", model, exc)
             return None
@@ -202,6 +213,10 @@ class InferenceRecord:
     rate_rps: float | None = None
     port: int | None = None
     grpc_port: int | None = None  # online: the gRPC front door's port
+    bind_address: str | None = None  # online: the address the front doors listen on (None: the config's)
+    # The traffic (perf_analyzer's --shape and --input-data): warm-up, search and admission use them.
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    input_data: str | None = None
     input_dir: str | None = None
     output_dir: str | None = None
     max_batch: int | None = None
@@ -219,6 +234,11 @@ class InferenceRecord:
 
     def to_doc(self) -> dict[str, Any]:
         return asdict(self)
+
+    def samples(self) -> "SampleSpec":
+        from reamer.serve.samples import SampleSpec
+
+        return SampleSpec(shapes=self.shapes, input_data=self.input_data)
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> "InferenceRecord":
@@ -260,6 +280,7 @@ class InferenceSupervisor:
         self.offline_sched = offline_sched
         self.max_request_mb = max_request_mb
         self.frontdoor: dict[str, Any] = {}  # inference.frontdoor of the config: the front door's limits
+        self.bind_address = DEFAULT_BIND_ADDRESS  # inference.bind_address: where online jobs listen
         self.job_log_mb = 16.0  # inference.job_log_mb: job.log is kept under this
         self.emit = emit or (lambda *a, **k: None)
         self.save = save or (lambda rec: None)
@@ -394,7 +415,14 @@ class InferenceSupervisor:
                        grpc_port=rec.grpc_port,
                        input_dir=rec.input_dir, output_dir=rec.output_dir, run_dir=str(self.job_dir(rec.name)),
                        max_request_mb=self.max_request_mb, frontdoor=dict(self.frontdoor),
-                       log_max_mb=self.job_log_mb)
+                       log_max_mb=self.job_log_mb, host=rec.bind_address or self.bind_address,
+                       shapes=dict(rec.shapes), input_data=rec.input_data)
+
+    def url(self, rec: InferenceRecord) -> str | None:
+        """The URL a client uses for an online job's REST front door (see client_url)."""
+        if rec.kind != "online" or not rec.port:
+            return None
+        return client_url(rec.bind_address or self.bind_address, rec.port)
 
     def allowed_cpus(self, rec: InferenceRecord) -> set[int]:
         spec = self.build_spec(rec)
@@ -639,11 +667,85 @@ def validate_request(req: dict[str, Any], default_backend: str) -> InferenceReco
     if req.get("grpc_port") and req.get("grpc_port") == req.get("port"):
         raise InvalidRequest(f"grpc_port {req['grpc_port']} is also the REST port",
                              "give gRPC another port, or leave grpc_port out to get a free one")
+    shapes, input_data = _checked_traffic(req, model)
+    bind_address = _checked_bind_address(req.get("bind_address"), kind)
     return InferenceRecord(name=req["name"], model=str(model), kind=kind, backend=backend,
+                           shapes=shapes, input_data=input_data, bind_address=bind_address,
                            slo_ms=req.get("slo_ms"), rate_rps=req.get("rate_rps"), port=req.get("port"),
                            grpc_port=req.get("grpc_port"),
                            input_dir=req.get("input_dir"), output_dir=req.get("output_dir"),
                            max_batch=req.get("max_batch"), layout=layout or None)
+
+
+def _checked_traffic(req: dict[str, Any], model: Path) -> tuple[dict[str, list[int]], str | None]:
+    """The request's `shapes` and `input_data`, checked against the model's inputs (InvalidRequest names the
+    input and the fix)."""
+    from reamer.serve.samples import SampleError, SampleSpec, check_against_model, shapes_from_doc
+
+    input_data = req.get("input_data")
+    try:
+        shapes = shapes_from_doc(req.get("shapes"))
+        if input_data is not None:
+            if not Path(input_data).is_absolute():
+                raise InvalidRequest(f"input_data {input_data!r} is relative; the agent cannot know your directory",
+                                     "pass an absolute path (the CLI does this for you)")
+            if not Path(input_data).is_file():
+                raise InvalidRequest(f"input_data file {input_data} does not exist on this node",
+                                     "give a .npz of named arrays or a perf_analyzer JSON input-data file")
+        check_against_model(model, SampleSpec(shapes=shapes, input_data=input_data))
+    except SampleError as exc:
+        raise InvalidRequest(exc.message, exc.fix) from None
+    return {k: list(v) for k, v in shapes.items()}, input_data
+
+
+def _checked_bind_address(address: str | None, kind: str) -> str | None:
+    if address is None:
+        return None
+    import ipaddress
+
+    if kind != "online":
+        raise InvalidRequest("bind_address is for online jobs", "drop it, or deploy the job online")
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        raise InvalidRequest(f"bind_address {address!r} is not an IP address",
+                             "give an address of this node, like 10.0.0.5, 127.0.0.1 or 0.0.0.0 (all)") from None
+
+
+def host_address() -> tuple[str, str]:
+    """(name, address) clients elsewhere reach this node by: the fully qualified host name when it resolves
+    to an address of this node that is not loopback, else the address of the interface the default
+    route leaves by."""
+    import ipaddress
+
+    name = socket.getfqdn()
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)}
+    except OSError:
+        resolved = set()
+    own = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+    outside = sorted(a for a in resolved & own if not ipaddress.ip_address(a).is_loopback)
+    if outside:
+        return name, outside[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: no packet is sent, the kernel only picks a route
+            return probe.getsockname()[0], probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1", "127.0.0.1"  # no route anywhere: only this host can be a client
+
+
+def client_url(bind_address: str, port: int) -> str:
+    """http://HOST:PORT for clients: the bound address itself, or for 0.0.0.0 / :: (every interface) the
+    host's name when it resolves to a non-loopback address of it, else its primary address (host_address)."""
+    import ipaddress
+
+    address = ipaddress.ip_address(bind_address)
+    if address.is_unspecified:
+        name, _ = host_address()
+        return f"http://{name}:{port}"
+    host = f"[{address}]" if address.version == 6 else str(address)
+    return f"http://{host}:{port}"
 
 
 def apply_choice(rec: InferenceRecord, choice: LayoutChoice | None, cpus: list[int]) -> None:

@@ -66,6 +66,7 @@ class Agent:
             max_request_mb=config.inference.max_request_mb, emit=self.events.emit, save=self._save_inference, restart_limit=config.inference.restart_limit,
             restart_window_s=config.inference.restart_window_s)
         self.supervisor.frontdoor = config.inference.frontdoor.model_dump()
+        self.supervisor.bind_address = config.inference.bind_address
         self.supervisor.job_log_mb = config.inference.job_log_mb
         profile_dir = config.inference.profile_dir or str(Path(config.state_dir) / "profiles")
         self.choose_layout: LayoutChooser = layout_chooser or load_chooser(config.inference.layout_chooser, profile_dir, config.inference)
@@ -487,7 +488,9 @@ class Agent:
                 "output_dir": rec.output_dir, "max_batch": rec.max_batch, "state": rec.state,
                 "layout": rec.layout or _layout_of(rec.instances), "instances": [dict(i) for i in rec.instances],
                 "pid": rec.pid if rec.state == "running" else None, "status": status_doc, "message": message,
-                "created_at": rec.created_at, "owner_uid": rec.owner_uid}
+                "created_at": rec.created_at, "owner_uid": rec.owner_uid,
+                "bind_address": (rec.bind_address or self.supervisor.bind_address) if rec.kind == "online" else None,
+                "url": self.supervisor.url(rec), "shapes": rec.shapes, "input_data": rec.input_data}
 
     def list_inference(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -149,6 +149,12 @@ class InferenceJobRequest(_Body):
     max_batch: Optional[int] = Field(default=None, ge=1, le=65536)
     # e.g. "2x1:b4" or "2x1:b4+1x2:b8"; default: searched / all free cores
     layout: Optional[str] = Field(default=None, max_length=1024)
+    # online: the one address the front doors listen on (default: inference.bind_address, 0.0.0.0 = all)
+    bind_address: Optional[str] = Field(default=None, max_length=64)
+    # the traffic, as perf_analyzer takes it: input name -> dims (with or without the batch dim), and a
+    # sample-data file on the node (.npz of named arrays, or perf_analyzer's JSON input data)
+    shapes: Optional[dict[str, list[int]]] = Field(default=None, max_length=1024)
+    input_data: Optional[str] = Field(default=None, max_length=MAX_PATH)
 
     @model_validator(mode="after")
     def _kind_fields(self) -> "InferenceJobRequest":
@@ -197,6 +203,10 @@ class InferenceJob(_Response):
     message: str = ""
     created_at: float = 0.0
     owner_uid: int = 0  # who deployed it (root: 0); only it or root may remove it
+    bind_address: Optional[str] = None  # online: where its front doors listen (0.0.0.0: every interface)
+    url: Optional[str] = None  # online: the URL clients use (for 0.0.0.0: the host's name or primary address)
+    shapes: dict[str, list[int]] = Field(default_factory=dict)
+    input_data: Optional[str] = None
 
 
 class InferenceJobList(_Response):

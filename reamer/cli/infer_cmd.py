@@ -6,7 +6,8 @@ import time
 
 import click
 
-from reamer.cli.common import BadInput, CliContext, ReamerGroup, emit, field, pass_cli, render_fields, render_table
+from reamer.cli.common import (BadInput, CliContext, ReamerGroup, emit, field, pass_cli, render_fields, render_table,
+                               sample_spec, traffic_options)
 from reamer.cli.node_cmd import inference_progress, render_inference_table
 from reamer.host.cpulist import format_cpulist
 from reamer.host.errors import ReamerError
@@ -25,7 +26,7 @@ def infer() -> None:
 
 
 def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, rate, port, input_dir, output_dir,
-                   backend, max_batch, layout, grpc_port=None) -> dict:
+                   backend, max_batch, layout, grpc_port=None, shapes=(), input_data=None, bind=None) -> dict:
     if online == offline:
         raise BadInput("say whether the job is --online or --offline", "add --online --slo-ms MS, or "
                        "--offline --input DIR --output DIR")
@@ -38,6 +39,8 @@ def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, r
         raise BadInput("--input/--output are for offline jobs", "drop them, or use --offline")
     if offline and (slo_ms is not None or rate is not None or port is not None or grpc_port is not None):
         raise BadInput("--slo-ms/--rate/--port/--grpc-port are for online jobs", "drop them, or use --online")
+    if offline and bind is not None:
+        raise BadInput("--bind is for online jobs", "drop it, or use --online")
     if grpc_port is not None and grpc_port == port:
         raise BadInput(f"--grpc-port {grpc_port} is also the REST --port", "give gRPC another port, or leave it out")
     if layout is not None:
@@ -55,7 +58,11 @@ def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, r
                "slo_ms": slo_ms, "rate_rps": rate, "port": port, "grpc_port": grpc_port,
                "input_dir": os.path.abspath(input_dir) if input_dir else None,
                "output_dir": os.path.abspath(output_dir) if output_dir else None,
-               "backend": backend, "max_batch": max_batch, "layout": layout}
+               "backend": backend, "max_batch": max_batch, "layout": layout, "bind_address": bind}
+    samples = sample_spec(shapes, input_data)
+    if samples.shapes:
+        request["shapes"] = {k: list(v) for k, v in samples.shapes.items()}
+    request["input_data"] = samples.input_data
     return {k: v for k, v in request.items() if v is not None}
 
 
@@ -109,20 +116,28 @@ def wait_for_job(client, name: str, kind: str, timeout_s: float | None = None, s
 @click.option("--backend", type=click.Choice(BACKENDS), default=None, help="Inference runtime (default: config).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest dynamic batch.")
 @click.option("--layout", default=None, metavar="SPEC", help='Instances, e.g. "2x1:b4+1x2:b8" (see `reamer search`).')
+@click.option("--bind", default=None, metavar="ADDRESS",
+              help="Online: listen on this one address of the node (default: inference.bind_address, 0.0.0.0 = all).")
+@traffic_options
 @click.option("--wait", is_flag=True, help="Wait until the job runs (online) or is done (offline, progress bar).")
 @pass_cli
 def deploy(cli: CliContext, name, model, online, offline, slo_ms, rate, port, input_dir, output_dir, backend,
-           max_batch, layout, wait, grpc_port=None) -> None:
-    """Deploy an inference job on the idle cores."""
+           max_batch, layout, wait, grpc_port=None, bind=None, shapes=(), input_data=None) -> None:
+    """Deploy an inference job on the idle cores.
+
+    --shape and --input-data describe the traffic as perf_analyzer takes it: the layout search, admission
+    and the instances' warm-up run on them (default: every dynamic dim 16, zeros for integer inputs)."""
     request = deploy_request(name, model, online, offline, slo_ms, rate, port, input_dir, output_dir, backend,
-                             max_batch, layout, grpc_port=grpc_port)
+                             max_batch, layout, grpc_port=grpc_port, shapes=shapes, input_data=input_data,
+                             bind=bind)
     client = cli.client()
     job = client.deploy_inference(request)
     if wait:
         job = wait_for_job(client, name, request["kind"], show_progress=not cli.json)
     emit(cli, job, lambda j: f"deployed {field(j, 'name')} ({field(j, 'kind')}): {field(j, 'state')}"
                              + (f", layout {field(j, 'layout')}" if field(j, "layout") else "")
-                             + (f", port {field(j, 'port')}" if field(j, "port") else "")
+                             + (f", {field(j, 'url')}" if field(j, "url") else
+                                (f", port {field(j, 'port')}" if field(j, "port") else ""))
                              + (f", gRPC port {field(j, 'grpc_port')}" if field(j, "grpc_port") else "")
                              + (f" — {field(j, 'message')}" if field(j, "message") else ""))
 
@@ -139,7 +154,9 @@ def render_job(job) -> str:
         ("name", field(job, "name")), ("kind", field(job, "kind")), ("state", field(job, "state")),
         ("model", field(job, "model")), ("backend", field(job, "backend")), ("layout", field(job, "layout")),
         ("slo ms", field(job, "slo_ms")), ("rate rps", field(job, "rate_rps")), ("port", field(job, "port")),
-        ("grpc port", field(job, "grpc_port")),
+        ("grpc port", field(job, "grpc_port")), ("url", field(job, "url")), ("listens on", field(job, "bind_address")),
+        ("shapes", " ".join(f"{k}:{','.join(map(str, v))}" for k, v in (field(job, "shapes") or {}).items()) or None),
+        ("input data", field(job, "input_data")),
         ("input", field(job, "input_dir")), ("output", field(job, "output_dir")), ("pid", field(job, "pid")),
         ("progress", inference_progress(job)), ("message", field(job, "message") or "-"),
     ])
@@ -203,10 +220,11 @@ def parse_options(options: tuple[str, ...]) -> dict:
 @pass_cli
 def build(cli: CliContext, family: str, out_path: str, options: tuple[str, ...], seed: int) -> None:
     """Write model FAMILY as an ONNX file (see `reamer models list`)."""
-    from reamer.serve.models import MODEL_FAMILIES, build_model
+    from reamer.serve.models import MODEL_FAMILIES, build_model, canonical_family
 
-    if family not in MODEL_FAMILIES:
+    if canonical_family(family) is None:
         raise BadInput(f"unknown model family {family!r}", f"pick one of {', '.join(MODEL_FAMILIES)}")
+    family = canonical_family(family)
     family_opts = parse_options(options)
     known = family_options(family)
     unknown = sorted(set(family_opts) - set(known))
@@ -228,7 +246,7 @@ def _model_summary(info) -> str:
 
 FAMILY_DESCRIPTIONS = {
     "resnet50": "ResNet-50 image classifier (25.6 M parameters, 224x224)",
-    "mobilenetv2": "MobileNetV2 image classifier (3.5 M parameters, 224x224)",
+    "mobilenet_v2": "MobileNetV2 image classifier (3.5 M parameters, 224x224; also: mobilenetv2)",
     "bert-base": "BERT-base encoder (token ids in, hidden states out)",
     "deepspeech2": "DeepSpeech2-style speech model (convolutions + GRU layers)",
     "tiny": "a two-layer MLP: builds and runs in milliseconds (tests, quick searches)",

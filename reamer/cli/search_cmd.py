@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from reamer.cli.common import BadInput, CliContext, cpulist_option_value, emit, pass_cli, render_table
+from reamer.cli.common import (BadInput, CliContext, cpulist_option_value, emit, pass_cli, render_table, sample_spec,
+                               traffic_options)
 from reamer.host.cpulist import format_cpulist
 
 if TYPE_CHECKING:
@@ -46,12 +47,22 @@ def resolve_model(model: str, workdir: str) -> str:
     """MODEL is an ONNX file, or a built-in family name (built into `workdir` with default options)."""
     if os.path.isfile(model):
         return os.path.abspath(model)
-    from reamer.serve.models import MODEL_FAMILIES, build_model
+    from reamer.serve.models import MODEL_FAMILIES, build_model, canonical_family
 
-    if model in MODEL_FAMILIES:
-        return build_model(model, Path(workdir) / f"{model}.onnx").path
+    family = canonical_family(model)
+    if family is not None:
+        return build_model(family, Path(workdir) / f"{family}.onnx").path
     raise BadInput(f"model {model} is neither a file nor a built-in family",
                    f"give the path to an ONNX file, or one of {', '.join(MODEL_FAMILIES)}")
+
+
+def checked_samples(model_path: str, shapes: tuple[str, ...], input_data: str | None):
+    """--shape/--input-data as a samples.SampleSpec, checked against the model's inputs before measuring."""
+    from reamer.serve.samples import check_against_model
+
+    samples = sample_spec(shapes, input_data)
+    check_against_model(model_path, samples)
+    return samples
 
 
 def choose_cpus(n_cores: int | None, cpus_text: str | None) -> list[int]:
@@ -91,9 +102,10 @@ def choose_cpus(n_cores: int | None, cpus_text: str | None) -> list[int]:
 @click.option("--window-s", type=click.FloatRange(min=0.01), default=0.5, show_default=True, help="Window length.")
 @click.option("--max-windows", type=click.IntRange(min=3), default=10, show_default=True,
               help="Windows per point before giving up on stability.")
+@traffic_options
 @pass_cli
 def profile(cli: CliContext, model: str, backend: str, cpus_text: str | None, batches: str, warmup_s: float,
-            window_s: float, max_windows: int) -> None:
+            window_s: float, max_windows: int, shapes: tuple[str, ...] = (), input_data: str | None = None) -> None:
     """Characterise MODEL: does it scale up (one big instance) or out (many small ones)?
 
     Uses IPC and cache-miss rate from hardware counters where the host has them, else measured
@@ -107,9 +119,10 @@ def profile(cli: CliContext, model: str, backend: str, cpus_text: str | None, ba
         raise BadInput(f"--batches {batches!r} has no positive batch size", 'write e.g. --batches 1,4,16')
     with tempfile.TemporaryDirectory(prefix="reamer-profile-") as workdir:
         model_path = resolve_model(model, workdir)
+        samples = checked_samples(model_path, shapes, input_data)
         cpus = choose_cpus(None, cpus_text)
         result = characterise(model_path, backend=backend, cpus=cpus, batches=batch_list, warmup_s=warmup_s,
-                              window_s=window_s, max_windows=max_windows)
+                              window_s=window_s, max_windows=max_windows, samples=samples)
         result.model = model if not os.path.isfile(model) else os.path.abspath(model)
     emit(cli, result, render_characterisation)
 
@@ -250,9 +263,11 @@ def write_plot(path: str, data: dict, rows: list[MeasurementRow]) -> None:
               help="Windows per point before giving up on stability.")
 @click.option("--verify-windows", type=click.IntRange(min=1), default=4, show_default=True,
               help="Windows per layout verification.")
+@traffic_options
 @pass_cli
 def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch, top_n, csv_path, plot_path,
-           cache_dir, no_cache, cpus_text, warmup_s, window_s, max_windows, verify_windows) -> None:
+           cache_dir, no_cache, cpus_text, warmup_s, window_s, max_windows, verify_windows, shapes=(),
+           input_data=None) -> None:
     """Find the best layout (instances x cores x batch) for MODEL on N cores, measured on real cores."""
     from reamer.serve.layout_search import MeasureSettings, ProfileCacheUnwritable, batch_choices, search_layout
 
@@ -265,11 +280,12 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="reamer-search-") as workdir:
         model_path = resolve_model(model, workdir)
+        samples = checked_samples(model_path, shapes, input_data)
         progress = ProgressBar(enabled=True)
         try:
             outcome = search_layout(model_path, backend, cpus, slo_ms, cache_dir=cache_dir, exhaustive=exhaustive,
                                     batches=batch_choices(max_batch), settings=settings, top_k=top_n,
-                                    progress=progress, cache_source="reamer search")
+                                    progress=progress, cache_source="reamer search", samples=samples)
         except ProfileCacheUnwritable as error:
             raise BadInput(error.message, "pass a writable --cache-dir, or --no-cache") from None
         finally:
@@ -281,6 +297,7 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
         "cores": cores,
         "cpus": format_cpulist(cpus),
         "slo_ms": slo_ms,
+        "samples": samples.to_doc(),
         "search": "exhaustive" if exhaustive else "quick",
         "best": candidate_dict(best, slo_ms) if best is not None else None,
         "measured": outcome.layouts_measured,

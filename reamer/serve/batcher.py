@@ -356,6 +356,12 @@ class DynamicBatcher:
         try:
             outputs = await lane.worker.run_async(batch_inputs, fallback=lane.executor, reply_to=reply_to)
         except (WorkerError, Exception) as exc:  # noqa: BLE001 - every failure goes to the waiting clients
+            if isinstance(exc, InferenceFailed) and len(live) > 1:
+                # The model refused the batch: one request it cannot take must not fail the others
+                # batched with it, so each runs alone and gets its own answer.
+                for r in live:
+                    await self._run_batch(lane, [r])
+                return
             err = exc if isinstance(exc, ReamerError) else InferenceFailed(f"batch failed: {exc}")
             for r in live:
                 if not r.future.done():
