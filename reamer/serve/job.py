@@ -80,7 +80,8 @@ class Job:
         return 1
 
     def _new_worker(self, index: int, spec: InstanceSpec) -> InstanceWorker:
-        return InstanceWorker(index, spec, self.spec.model, self.spec.backend, run_dir=str(self.run_dir))
+        return InstanceWorker(index, spec, self.spec.model, self.spec.backend, run_dir=str(self.run_dir),
+                              samples=self.spec.samples())
 
     def _start_workers(self, items: list[tuple[int, InstanceSpec]]) -> tuple[list[InstanceWorker], list[str]]:
         """Start workers in parallel; a worker that fails to start is returned too (its lane retries it)."""
