@@ -459,3 +459,36 @@ def test_memory_of_the_job_stays_bounded_after_all_of_it(job):
     grown = job.rss() - job.rss_at_start
     assert grown < 128 << 20, f"the job grew by {grown >> 20} MiB"
     assert job.proc.poll() is None
+
+
+def test_job_log_is_copied_aside_and_truncated_past_its_limit(tmp_path):
+    from reamer.serve.joblog import bound_log
+
+    path = tmp_path / "job.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # as the agent opens it
+    try:
+        os.write(fd, b"old line\n" * 200)
+        assert not bound_log(fd, 4096)
+        os.write(fd, b"old line\n" * 400)
+        assert bound_log(fd, 4096)
+        assert (tmp_path / "job.log.1").read_bytes() == b"old line\n" * 600
+        os.write(fd, b"new line\n")  # an O_APPEND writer goes on at the new end
+        assert path.read_bytes() == b"new line\n"
+        assert not bound_log(fd, 4096)
+    finally:
+        os.close(fd)
+    r, w = os.pipe()
+    try:
+        assert not bound_log(w, 0)  # a pipe or terminal is left alone
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_unknown_frontdoor_settings_are_refused_by_name():
+    from reamer.host.errors import ReamerError
+    from reamer.serve.frontdoor import DoorLimits
+
+    assert DoorLimits.from_settings(2, {"max_buffered_mb": 8, "json_offload_kb": 1}).max_buffered_bytes == 8 << 20
+    with pytest.raises(ReamerError, match="max_conections"):
+        DoorLimits.from_settings(2, {"max_conections": 3})
