@@ -12,7 +12,7 @@ import pytest
 from tests.acceptance.clients import CLIENT_VARIANTS, CLIENTS
 from tests.acceptance.conftest import (BACKENDS, FULL_BATCH, assert_outputs_match, model_path, needs_rt_host,
                                        reference)
-from tests.acceptance.exported_models import SPECS
+from tests.acceptance.exported_models import SPECS, TYPE_VOCAB
 
 pytestmark = [needs_rt_host, pytest.mark.root, pytest.mark.slow]
 
@@ -45,3 +45,42 @@ def test_sequence_models_take_other_lengths(online, models_dir, model):
         want = reference(model_path(models_dir, model), inputs)
         got = CLIENTS[client].infer(job, job.name, inputs, list(spec.outputs), variant)
         assert_outputs_match(spec, got, want, f"{model} at seq {seq}")
+
+
+def broken_request(case: str) -> dict:
+    spec = SPECS["bert"]
+    inputs = spec.sample(2, seed=9)
+    if case == "out-of-range-ids":  # token_type_ids index a table of TYPE_VOCAB rows
+        inputs["token_type_ids"][:] = TYPE_VOCAB + 3
+    elif case == "mismatched-seq":  # dynamic dims that the model ties together, sent apart
+        inputs["attention_mask"] = inputs["attention_mask"][:, :-3].copy()
+    elif case == "batch-0":
+        inputs = {k: v[:0].copy() for k, v in inputs.items()}
+    return inputs
+
+
+@pytest.mark.parametrize("variant", [CLIENT_VARIANTS[0][1], CLIENT_VARIANTS[-1][1]])
+@pytest.mark.parametrize("case", ["out-of-range-ids", "mismatched-seq", "batch-0"])
+def test_what_the_model_raises_is_a_400_and_the_instance_keeps_serving(online, models_dir, case, variant):
+    from tritonclient.utils import InferenceServerException
+
+    spec = SPECS["bert"]
+    job = online.get("bert", "onnxruntime")
+    client = CLIENTS["http"]
+    inputs = broken_request(case)
+    try:
+        got = client.infer(job, job.name, inputs, list(spec.outputs), variant)
+    except InferenceServerException as error:
+        assert str(error.status()) == "400", f"{case}: {error}"
+        assert error.message(), f"{case}: a 400 must carry the runtime's message"
+        if case == "out-of-range-ids":
+            assert "out of" in error.message() or "indices" in error.message(), error.message()
+    else:  # a batch of 0 may also be answered, with empty outputs equal to the runtime's own
+        assert case == "batch-0", f"{case} was answered: {got}"
+        assert_outputs_match(spec, got, reference(model_path(models_dir, "bert"), inputs), case)
+    # the same instance answers the next request, without a restart in between
+    pid = online.daemon.client.get_inference_job(job.name).pid
+    good = spec.sample(2, seed=10)
+    assert_outputs_match(spec, client.infer(job, job.name, good, list(spec.outputs), variant),
+                         reference(model_path(models_dir, "bert"), good), f"after {case}")
+    assert online.daemon.client.get_inference_job(job.name).pid == pid

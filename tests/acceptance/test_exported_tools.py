@@ -67,6 +67,7 @@ def test_profile_feeds_the_given_shapes(models_dir, model):
     output = done.stdout + done.stderr
     assert done.returncode != 0, output
     assert "error:" in output and "Traceback" not in output, output
+    assert f"{MAX_POSITIONS + 72}]" in output, f"the error should show the shape that was fed: {output}"
 
 
 def test_profile_takes_sample_data(models_dir, tmp_path):
