@@ -1,0 +1,88 @@
+"""Clients on other hosts (issue 12): an online job listens on every interface by default and answers a
+tritonclient in a network namespace of its own (over a veth pair, not loopback); bound to one address it
+answers only there. Loopback clients keep working either way."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import httpx
+import psutil
+import pytest
+
+from reamer.serve.models import build_model
+from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
+from tests.conftest import wait_for
+from tests.serve.netns import TRITON_CLIENT, netns  # noqa: F401 - the fixture
+
+pytest.importorskip("tritonclient.http")
+
+CPUS = sorted(os.sched_getaffinity(0))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_model("tiny", tmp_path_factory.mktemp("m") / "tiny.onnx").path
+
+
+@pytest.fixture
+def start_job(tiny, tmp_path):
+    jobs = []
+
+    def start(**fields):
+        run_dir = tmp_path / f"run{len(jobs)}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        spec = JobSpec(name="tiny", kind="online", model=tiny, port=0, run_dir=str(run_dir),
+                       instances=[InstanceSpec([CPUS[-1]], 1, 4)], frontdoor_cpus=[CPUS[0]], **fields)
+        spec.save(tmp_path / "spec.json")
+        job = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(tmp_path / "spec.json")],
+                               cwd=REPO)
+        jobs.append(job)
+
+        def ready():
+            try:
+                st = JobStatus.load(run_dir / "status.json")
+            except (FileNotFoundError, json.JSONDecodeError):
+                return None
+            return st if st.state == "ready" else None
+
+        return wait_for(ready, timeout=90, what="job ready")
+
+    yield start
+    for job in jobs:
+        children = psutil.Process(job.pid).children() if job.poll() is None else []
+        job.terminate()
+        try:
+            job.wait(30)
+        except subprocess.TimeoutExpired:
+            job.kill()
+        for child in children:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_default_job_answers_a_client_in_another_network_namespace(start_job, netns):  # noqa: F811
+    st = start_job()
+    done = netns.python(TRITON_CLIENT, f"http://{netns.host_address}:{st.port}", "tiny")
+    assert done.returncode == 0 and done.stdout.strip() == "(2, 4)", done.stderr
+    # and on loopback, as before
+    assert httpx.get(f"http://127.0.0.1:{st.port}/v2/health/ready", timeout=10).status_code == 200
+
+
+def test_job_bound_to_loopback_is_not_reachable_from_elsewhere(start_job, netns):  # noqa: F811
+    st = start_job(host="127.0.0.1")
+    done = netns.python(TRITON_CLIENT, f"http://{netns.host_address}:{st.port}", "tiny")
+    assert done.returncode != 0 and "refused" in (done.stderr + done.stdout).lower(), done.stderr
+    assert httpx.get(f"http://127.0.0.1:{st.port}/v2/health/ready", timeout=10).status_code == 200
+
+
+def test_job_bound_to_one_address_answers_there(start_job, netns):  # noqa: F811
+    st = start_job(host=netns.host_address)
+    done = netns.python(TRITON_CLIENT, f"http://{netns.host_address}:{st.port}", "tiny")
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{st.port}/v2/health/ready", timeout=10)
