@@ -28,6 +28,7 @@ import numpy as np
 
 from reamer.host.errors import ReamerError
 from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded, RequestTiming
+from reamer.serve.frontdoor import DoorLimits
 from reamer.serve.grpc_v2 import messages as pb
 from reamer.serve.tensors import TensorInfo, UnsupportedDatatype, v2_to_numpy
 from reamer.serve.v2wire import SERVER_NAME, le_bytes, server_timing
@@ -264,13 +265,21 @@ def _handler(method: Callable, request_type: type, response_type: type) -> grpc.
 
 
 class GrpcFrontDoor:
-    """A grpc.aio server of `service` on host:port (0 = a free port, known after start())."""
+    """A grpc.aio server of `service` on host:port (0 = a free port, known after start()).
 
-    def __init__(self, service: GrpcV2Service, host: str, port: int, max_request_bytes: int) -> None:
+    `limits` (the REST door's DoorLimits, when given) bound it alike where gRPC has the same knob: calls in
+    flight (max_connections; more get RESOURCE_EXHAUSTED), idle connections (idle_timeout_s), metadata
+    size (max_header_bytes)."""
+
+    MAX_CONCURRENT_RPCS = 1024
+
+    def __init__(self, service: GrpcV2Service, host: str, port: int, max_request_bytes: int,
+                 limits: DoorLimits | None = None) -> None:
         self.service = service
         self.host = host
         self.requested_port = port
         self.max_request_bytes = max_request_bytes
+        self.limits = limits
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._stop: asyncio.Event | None = None
@@ -278,11 +287,17 @@ class GrpcFrontDoor:
 
     async def start(self) -> int:
         """Bind and start serving (call from the event loop that runs the batcher); returns the port."""
-        server = grpc.aio.server(options=[
+        options = [
             ("grpc.max_receive_message_length", self.max_request_bytes),
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),  # a second job on the same port must fail, not share it
-        ])
+        ]
+        concurrent = self.MAX_CONCURRENT_RPCS
+        if self.limits is not None:
+            concurrent = self.limits.max_connections
+            options += [("grpc.max_connection_idle_ms", int(self.limits.idle_timeout_s * 1000)),
+                        ("grpc.max_metadata_size", self.limits.max_header_bytes)]
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=concurrent)
         handlers = {name: _handler(getattr(self.service, name), req, resp) for name, (req, resp) in pb.METHODS.items()}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(pb.SERVICE, handlers),))
         address = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"

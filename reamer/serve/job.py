@@ -165,7 +165,7 @@ class Job:
         self.status.port = door.port
         # gRPC beside REST (Open Inference Protocol's gRPC form), over the same batcher and limits
         grpc_door = GrpcFrontDoor(GrpcV2Service(spec.name, batcher, platform), spec.host, spec.grpc_port or 0,
-                                  max_request_bytes=int(spec.max_request_mb * 2**20))
+                                  max_request_bytes=limits.max_request_bytes, limits=limits)
         self.status.grpc_port = await grpc_door.start()
         self._write_status()  # the ports are known now, before the workers are up
         serving = loop.create_task(door.serve())

@@ -391,3 +391,33 @@ def test_every_typed_datatype_from_a_plain_kserve_v2_client(tmp_path):
             assert "('in_INT8').contents.int_contents does not fit INT8" in err.value.details()
     finally:
         assert j.stop() == 0
+
+
+def test_calls_over_the_jobs_connection_limit_are_resource_exhausted(model, reference, tmp_path):
+    """The REST door's max_connections also bounds gRPC calls in flight: with 1, of two calls sent while the
+    instance is stopped one waits on it and the other is refused at once; the waiting one is answered."""
+    j = RunningJob(model, tmp_path, frontdoor={"max_connections": 1})
+    try:
+        feeds = _inputs(1)
+        tgrpc.InferenceServerClient(j.grpc).infer("mio", _triton_inputs(feeds))
+        (worker,) = j.workers
+        worker.suspend()
+
+        def call():
+            try:
+                return tgrpc.InferenceServerClient(j.grpc).infer("mio", _triton_inputs(feeds))
+            except InferenceServerException as exc:
+                return exc
+
+        with ThreadPoolExecutor(2) as pool:
+            calls = [pool.submit(call) for _ in range(2)]
+            refused = wait_for(lambda: next((f.result() for f in calls if f.done()), None), timeout=60,
+                               what="one of the two calls to be refused")
+            worker.resume()
+            results = [f.result() for f in calls]
+        assert isinstance(refused, InferenceServerException) and refused.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert "limit" in refused.message().lower()
+        (answered,) = [r for r in results if not isinstance(r, InferenceServerException)]
+        np.testing.assert_array_equal(answered.as_numpy("id_sum"), reference.run(feeds)["id_sum"])
+    finally:
+        assert j.stop() == 0
