@@ -283,7 +283,7 @@ def _worker_main(config_json: str) -> int:
 
     try:
         backend = open_backend(cfg.backend, cfg.model_path, cfg.threads)
-        plan = plan_samples(backend.inputs, SampleSpec.from_doc(cfg.samples))
+        plan = plan_samples(backend.inputs, SampleSpec.from_doc(cfg.samples), cfg.model_path)
         feeds = plan.batch(cfg.batch, np.random.default_rng(cfg.seed))
     except ReamerError as exc:
         _emit("ERROR", {"message": exc.message, "fix": exc.fix})

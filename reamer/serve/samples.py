@@ -263,8 +263,12 @@ def _resolve_dims(info: "TensorInfo", given: tuple[int, ...] | None) -> tuple[bo
     return batched, tuple(given)
 
 
-def plan_samples(inputs: Sequence["TensorInfo"], spec: SampleSpec | None = None) -> SamplePlan:
-    """Check `spec` against the model's inputs and plan its sample batches; SampleError names the input."""
+def plan_samples(inputs: Sequence["TensorInfo"], spec: SampleSpec | None = None,
+                 model_path: str | os.PathLike | None = None) -> SamplePlan:
+    """Check `spec` against the model's inputs and plan its sample batches; SampleError names the input.
+
+    With `model_path` (an ONNX file), an input without a shape of its own takes the sizes given for the
+    same named dims of other inputs (`--shape input_ids:1,128` sizes attention_mask's "seq" too)."""
     spec = spec or SampleSpec()
     names = [t.name for t in inputs]
     unknown = sorted(set(spec.shapes) - set(names))
@@ -280,16 +284,56 @@ def plan_samples(inputs: Sequence["TensorInfo"], spec: SampleSpec | None = None)
     if data and missing:
         raise SampleError(f"input data {spec.input_data} has no values for {missing}",
                           "give every input of the model in the sample data")
+    shapes = dict(spec.shapes)
+    if shapes and model_path is not None and set(names) - set(shapes) - set(data):
+        shapes.update(_shapes_by_dim_name(inputs, shapes, model_path))
     plans = []
     for info in inputs:
-        batched, dims = _resolve_dims(info, spec.shapes.get(info.name))
+        batched, dims = _resolve_dims(info, shapes.get(info.name))
         samples = None
         if info.name in data:
-            samples = _data_samples(info, batched, dims if info.name in spec.shapes else None, data[info.name],
+            samples = _data_samples(info, batched, dims if info.name in shapes else None, data[info.name],
                                     str(spec.input_data))
             dims = tuple(samples[0].shape)
         plans.append(_InputPlan(info, batched, dims, samples))
     return SamplePlan(plans, spec)
+
+
+def _shapes_by_dim_name(inputs: Sequence["TensorInfo"], shapes: dict[str, tuple[int, ...]],
+                        model_path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Shapes for the inputs without one, from the sizes given for the same symbolic dims elsewhere."""
+    named = _dim_names(model_path)
+    sizes: dict[str, int] = {}
+    for info in inputs:
+        given, dim_names = shapes.get(info.name), named.get(info.name)
+        if given is None or dim_names is None:
+            continue
+        if len(given) == len(dim_names) - 1 and info.shape[:1] == [-1]:
+            given = (0, *given)  # written without the batch dim
+        if len(given) == len(dim_names):
+            sizes.update({n: d for n, d in zip(dim_names[1:], given[1:]) if n})
+    derived = {}
+    for info in inputs:
+        dim_names = named.get(info.name)
+        if info.name in shapes or dim_names is None or not info.shape:
+            continue
+        dims = [d if d >= 0 else sizes.get(n or "", DEFAULT_DYNAMIC_DIM) for d, n in zip(info.shape, dim_names)]
+        if any(n in sizes for n in dim_names[1:] if n):
+            derived[info.name] = tuple(dims[1:] if info.shape[0] == -1 else dims)
+    return derived
+
+
+def _dim_names(model_path: str | os.PathLike) -> dict[str, list[str | None]]:
+    """Symbolic dim names (dim_param) of an ONNX file's inputs; {} for other files."""
+    if not str(model_path).endswith(".onnx"):
+        return {}
+    import onnx
+
+    try:
+        graph = onnx.load(os.fspath(model_path), load_external_data=False).graph
+    except Exception:  # noqa: BLE001 - without names, the defaults apply
+        return {}
+    return {vi.name: [d.dim_param or None for d in vi.type.tensor_type.shape.dim] for vi in graph.input}
 
 
 def _data_samples(info: "TensorInfo", batched: bool, dims: tuple[int, ...] | None, values: list[Any],
@@ -366,7 +410,7 @@ def check_against_model(model_path: str | os.PathLike, spec: SampleSpec) -> None
         return
     if not str(model_path).endswith(".onnx"):
         return  # OpenVINO IR and others: the runtime checks at warm-up
-    plan_samples(model_inputs(model_path), spec)
+    plan_samples(model_inputs(model_path), spec, model_path)
 
 
 def inputs_feeding_node(model_path: str | os.PathLike, node_name: str) -> list[str]:

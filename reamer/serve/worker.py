@@ -253,7 +253,7 @@ def _warm_up(backend: Any, samples_doc: dict | None) -> float:
     WorkerError naming the inputs and the runtime's reason when the model refuses them."""
     from reamer.serve.samples import SampleSpec, explain_failure, plan_samples
 
-    plan = plan_samples(backend.inputs, SampleSpec.from_doc(samples_doc))
+    plan = plan_samples(backend.inputs, SampleSpec.from_doc(samples_doc), backend.model_path)
     warm = plan.batch(1)
     try:
         backend.run(warm)

@@ -31,7 +31,7 @@ TRAIN = schemas.TrainingJob(name="train-a", cpus=[1], pids=[111, 112], threads_r
                             source="pids", state="running", created_at=NOW)
 ONLINE = schemas.InferenceJob(
     name="svc", model="/models/m.onnx", kind="online", backend="onnxruntime", slo_ms=50.0, rate_rps=20.0, port=8100,
-    state="running", layout="2x1:b4", pid=333,
+    state="running", layout="2x1:b4", pid=333, url="http://node-a.example:8100", bind_address="0.0.0.0",
     instances=[schemas.InferenceInstance(cpus=[2], threads=1, max_batch=4),
                schemas.InferenceInstance(cpus=[3], threads=1, max_batch=4)],
     status=schemas.InferenceStatus(rate_rps=19.5, p50_ms=3.0, p99_ms=9.5, slo_attainment=0.998))
@@ -296,3 +296,49 @@ def test_gpu_status_renders_the_managers_shape():
     assert "H100" in text and "healthy" in text and "running (pid 77)" in text and "41%" in text
     assert "pending_restart" in text and "70" in text and "50" in text
     assert render_gpu_status({"enabled": False, "message": "gpu.enabled is false"}).endswith("gpu.enabled is false")
+
+
+def test_infer_deploy_sends_traffic_shapes_sample_data_and_bind(run, agent, tmp_path):
+    _, received = agent
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"onnx")
+    data = tmp_path / "samples.npz"
+    data.write_bytes(b"npz")
+    result = run("infer", "deploy", "bert", "--model", str(model), "--online", "--slo-ms", "50", "--layout", "1x1:b4",
+                 "--shape", "input_ids:1,128", "--shape", "attention_mask:128", "--input-data", str(data),
+                 "--bind", "127.0.0.1", "-o", "json")
+    assert result.exit_code == 0, result.output
+    assert stdout_json(result)["name"] == "bert"  # -o json after the subcommand
+    body = received[-1][1]
+    assert body["shapes"] == {"input_ids": [1, 128], "attention_mask": [128]}
+    assert body["input_data"] == str(data) and body["bind_address"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--online", "--slo-ms", "10", "--shape", "input_ids"], "--shape 'input_ids' has no input name"),
+    (["--online", "--slo-ms", "10", "--shape", "input_ids:1,x"], "not comma-separated integers"),
+    (["--online", "--slo-ms", "10", "--shape", "input_ids:1,0"], "positive"),
+    (["--online", "--slo-ms", "10", "--input-data", "/nonexistent.npz"], "--input-data /nonexistent.npz does not exist"),
+    (["--offline", "--input", "/", "--output", "/tmp", "--bind", "127.0.0.1"], "--bind is for online jobs"),
+])
+def test_infer_deploy_bad_traffic_options(run, tmp_path, extra, message):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"onnx")
+    result = run("infer", "deploy", "x", "--model", str(model), *extra)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "fix: " in result.output
+
+
+@pytest.mark.parametrize("args", [("infer", "list", "-o", "json"), ("infer", "show", "svc", "--output", "json"),
+                                  ("-o", "json", "infer", "list"), ("status", "-o", "json")])
+def test_json_output_before_or_after_the_subcommand(run, args):
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    json.loads(result.stdout)
+
+
+def test_infer_show_gives_the_url(agent, tmp_path):
+    socket_path, _ = agent
+    result = CliRunner().invoke(cli, ["--socket", socket_path, "infer", "show", "svc"])
+    assert result.exit_code == 0
+    assert "url:" in result.output and "http://node-a.example:8100" in result.output

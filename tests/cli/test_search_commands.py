@@ -116,3 +116,57 @@ def test_exhaustive_search_measures_the_whole_space(tiny):
     assert data["measured"] == data["space"] == 2
     assert {m["layout"] for m in data["measurements"]} == {"1x1:b1", "1x1:b2"}
     assert all(m["kind"] == "layout" for m in data["measurements"])
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> str:
+    from tests.serve.bertlike import build_bertlike
+
+    return build_bertlike(tmp_path_factory.mktemp("bert") / "bertlike.onnx", hidden=32)
+
+
+def test_profile_and_search_measure_the_traffic_shapes_and_data(bert, tmp_path):
+    import numpy as np
+
+    from tests.serve.bertlike import bert_feeds
+
+    data = tmp_path / "traffic.npz"
+    np.savez(data, **bert_feeds(2, 128, type_id=1, word_id=9))
+    result = CliRunner().invoke(cli, ["profile", bert, "--cpus", "1", "--batches", "1", *FAST,
+                                      "--shape", "input_ids:1,128", "--input-data", str(data), "-o", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["points"]
+    cache = tmp_path / "cache"
+    shaped = ["search", bert, "--cores", "1", "--max-batch", "1", "--cache-dir", str(cache), *FAST,
+              "--verify-windows", "1", "-o", "json"]
+    for shape in ("input_ids:1,128", "input_ids:1,32"):  # two traffics: two profile cache entries
+        result = CliRunner().invoke(cli, [*shaped, "--shape", shape])  # the other inputs share its "seq"
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["samples"]["shapes"]["input_ids"] == [1, int(shape.rsplit(",", 1)[1])]
+    assert len(list(cache.glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shape", "input_idz:1,128"], "--shape names ['input_idz'], which the model does not have"),
+    (["--shape", "input_ids:1,2,128"], "shape [1, 2, 128] of input 'input_ids' has 3 dims"),
+    (["--input-data", "/nonexistent.npz"], "--input-data /nonexistent.npz does not exist"),
+])
+def test_profile_refuses_traffic_that_does_not_fit_the_model(bert, args, message):
+    result = CliRunner().invoke(cli, ["profile", bert, "--cpus", "1", "--batches", "1", *FAST, *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "fix: " in result.output
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenetv2", "MobileNet-V2"])
+def test_profile_takes_the_family_names_users_type(name, monkeypatch):
+    from reamer.cli import search_cmd
+
+    built = {}
+
+    def fake_build(family, out):
+        built["family"] = family
+        raise search_cmd.BadInput("stop here", "(test)")
+
+    monkeypatch.setattr("reamer.serve.models.build_model", fake_build)
+    result = CliRunner().invoke(cli, ["profile", name, "--cpus", "1"])
+    assert built["family"] == "mobilenet_v2", result.output

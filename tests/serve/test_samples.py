@@ -146,3 +146,12 @@ def test_a_runtime_refusal_is_explained_with_the_input_behind_it(bert):
     text = explain_failure(bert, plan, feeds, raised.value)
     assert text.startswith("the model refused input token_type_ids")
     assert "out of data bounds" in text and "input_ids INT64 [1, 4] (zeros)" in text
+
+
+def test_one_shape_sizes_the_inputs_that_share_its_named_dims(bert):
+    inputs = model_inputs(bert)  # all three are [batch, seq]
+    feeds = plan_samples(inputs, SampleSpec({"input_ids": (1, 128)}), bert).batch(2)
+    assert {k: v.shape for k, v in feeds.items()} == {k: (2, 128) for k in feeds}
+    feeds = plan_samples(inputs, SampleSpec({"token_type_ids": (64,)}), bert).batch(1)
+    assert feeds["attention_mask"].shape == (1, 64)
+    assert plan_samples(inputs, SampleSpec({"input_ids": (1, 128)})).batch(1)["attention_mask"].shape == (1, 16)
