@@ -52,7 +52,68 @@ class TritonHttp:
             client.close()
 
 
-CLIENTS: dict[str, InferenceClient] = {"http": TritonHttp()}
+class TritonGrpc:
+    """tritonclient.grpc on the job's gRPC port (it always sends raw_input_contents and reads raw outputs)."""
+
+    variants = ("raw",)
+
+    def infer(self, job: Any, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
+              variant: str) -> dict[str, np.ndarray]:
+        import tritonclient.grpc as grpcclient
+
+        tensors = []
+        for name, array in inputs.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), triton_dtype(array))
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        asked = [grpcclient.InferRequestedOutput(name) for name in outputs]
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{job.grpc_port}")
+        try:
+            result = client.infer(model, tensors, outputs=asked, client_timeout=60)
+            return {name: result.as_numpy(name) for name in outputs}
+        finally:
+            client.close()
+
+
+class KServeGrpc:
+    """A plain KServe-v2 gRPC client (messages of grpc_predict_v2.proto) sending typed `contents`, which the
+    job answers in kind; a model with an FP16 input goes raw, since FP16 has no typed field."""
+
+    variants = ("typed",)
+
+    def infer(self, job: Any, model: str, inputs: dict[str, np.ndarray], outputs: list[str],
+              variant: str) -> dict[str, np.ndarray]:
+        import grpc
+
+        from reamer.serve.grpc_frontdoor import CONTENTS_FIELD
+        from reamer.serve.grpc_v2 import messages as pb
+        from reamer.serve.tensors import v2_to_numpy
+
+        request = pb.ModelInferRequest(model_name=model)
+        raw = any(triton_dtype(a) not in CONTENTS_FIELD for a in inputs.values())
+        for name, array in inputs.items():
+            item = request.inputs.add(name=name, datatype=triton_dtype(array), shape=list(array.shape))
+            if raw:
+                request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+            else:
+                getattr(item.contents, CONTENTS_FIELD[item.datatype]).extend(array.ravel().tolist())
+        for name in outputs:
+            request.outputs.add(name=name)
+        with grpc.insecure_channel(f"127.0.0.1:{job.grpc_port}") as channel:
+            answer = channel.unary_unary(f"/{pb.SERVICE}/ModelInfer", request_serializer=pb.ModelInferRequest.SerializeToString,
+                                         response_deserializer=pb.ModelInferResponse.FromString)(request, timeout=60)
+        got = {}
+        for i, out in enumerate(answer.outputs):
+            dtype = v2_to_numpy(out.datatype)
+            if answer.raw_output_contents:
+                flat = np.frombuffer(answer.raw_output_contents[i], dtype=dtype.newbyteorder("<")).astype(dtype)
+            else:
+                flat = np.array(getattr(out.contents, CONTENTS_FIELD[out.datatype]), dtype=dtype)
+            got[out.name] = flat.reshape(list(out.shape))
+        return got
+
+
+CLIENTS: dict[str, InferenceClient] = {"http": TritonHttp(), "grpc": TritonGrpc(), "kserve-grpc": KServeGrpc()}
 
 CLIENT_VARIANTS: list[tuple[str, str]] = [(name, variant) for name, client in CLIENTS.items()
                                           for variant in client.variants]

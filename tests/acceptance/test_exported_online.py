@@ -2,7 +2,7 @@
 
 For every exported model and every backend that can load it: deploy through the agent's API (layout
 1x1:b4), then for every client and encoding (tritonclient HTTP: binary and JSON inputs and outputs in
-every combination) send a batch of 1 and a full batch of 4, and compare every output with a direct ONNX
+every combination; tritonclient.grpc, raw tensors; a plain KServe-v2 gRPC client, typed contents) send a batch of 1 and a full batch of 4, and compare every output with a direct ONNX
 Runtime run of the same file (tight tolerance; looser where the model is INT8 or FP16).
 """
 from __future__ import annotations
@@ -83,4 +83,22 @@ def test_what_the_model_raises_is_a_400_and_the_instance_keeps_serving(online, m
     good = spec.sample(2, seed=10)
     assert_outputs_match(spec, client.infer(job, job.name, good, list(spec.outputs), variant),
                          reference(model_path(models_dir, "bert"), good), f"after {case}")
+    assert online.daemon.client.get_inference_job(job.name).pid == pid
+
+
+@pytest.mark.parametrize("case", ["out-of-range-ids", "mismatched-seq"])
+def test_what_the_model_raises_over_grpc_is_invalid_argument_and_the_instance_keeps_serving(online, models_dir, case):
+    from tritonclient.utils import InferenceServerException
+
+    spec = SPECS["bert"]
+    job = online.get("bert", "onnxruntime")
+    client = CLIENTS["grpc"]
+    pid = online.daemon.client.get_inference_job(job.name).pid
+    with pytest.raises(InferenceServerException) as error:
+        client.infer(job, job.name, broken_request(case), list(spec.outputs), "raw")
+    assert error.value.status() == "StatusCode.INVALID_ARGUMENT", f"{case}: {error.value}"
+    assert error.value.message(), f"{case}: INVALID_ARGUMENT must carry the runtime's message"
+    good = spec.sample(2, seed=11)
+    assert_outputs_match(spec, client.infer(job, job.name, good, list(spec.outputs), "raw"),
+                         reference(model_path(models_dir, "bert"), good), f"after {case} over gRPC")
     assert online.daemon.client.get_inference_job(job.name).pid == pid
