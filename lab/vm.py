@@ -43,10 +43,12 @@ def _die_with_parent() -> None:
 
 def qemu_command(image: Image, profile: Profile, out_dir: Path, shares: dict[str, Path],
                  console_log: Path) -> list[str]:
-    cmdline = ["console=ttyS0", "root=/dev/vda", "rw", "panic=-1", "apparmor=0", "quiet",
+    # mitigations=off: emulated speculation barriers only cost time here; apparmor=0: docker needs either
+    # the apparmor userspace or this.
+    cmdline = ["console=ttyS0", "root=/dev/vda", "rw", "panic=-1", "apparmor=0", "mitigations=off",
                *profile.kernel_cmdline(), f"reamer_lab.profile={profile.name}"]
     cmdline += [f"reamer_lab.{tag}={path}" for tag, path in shares.items()]
-    cmd = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg,thread=multi",
+    cmd = ["qemu-system-x86_64", "-nodefaults", "-machine", "q35", "-accel", "tcg,thread=multi",
            "-cpu", "max,vendor=GenuineIntel",  # the default AMD vendor string hides SMT from the guest
            *profile.qemu_topology_args(),
            "-kernel", str(image.kernel), "-initrd", str(image.initrd), "-append", " ".join(cmdline),

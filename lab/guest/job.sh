@@ -14,7 +14,7 @@ mapfile -t extra < <(grep -v '^$' "$out/pytest-args" 2>/dev/null)
 echo "profile=$profile kernel=$(uname -r) cgroup=$(stat -fc %T /sys/fs/cgroup) pid1=$(cat /proc/1/comm) budget=${deadline}s"
 timeout --kill-after=20 "$deadline" "$checkout/.venv/bin/python" -m pytest -p no:cacheprovider -p no:randomly \
   -o junit_suite_name="hosts-$profile" -o junit_family=xunit1 --junitxml="$out/junit.xml" -rA \
-  --timeout=600 tests/hosts "${extra[@]}" > "$out/pytest.log" 2>&1
+  --timeout=600 --durations=12 tests/hosts "${extra[@]}" > "$out/pytest.log" 2>&1
 rc=$?
 echo "pytest rc=$rc"
 journalctl -b --no-pager -u reamer > "$out/journal-reamer.txt" 2>&1

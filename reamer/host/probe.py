@@ -66,9 +66,34 @@ def _check_rt_group_sched(cgroup_root: str, proc_root: str) -> Check:
         return Check("rt-group-sched", True, f"RT group scheduling on: reamer gives training cgroups a "
                      f"cpu.rt_runtime_us budget (root budget {root_budget} us)")
     if driver.version == 2:
-        return Check("rt-group-sched", True, "cgroup v2: no per-cgroup RT budget; SCHED_RR threads stay in the "
-                     "root cpu cgroup and are bound with CPU affinity")
+        # v2 has no cpu.rt_runtime_us to look at: what matters is how the kernel was built.
+        built_in = kernel_config_option("CONFIG_RT_GROUP_SCHED", proc_root)
+        if built_in is None:
+            return Check("rt-group-sched", True, "cgroup v2: no per-cgroup RT budget; cannot tell whether the kernel has "
+                         "RT group scheduling (no /proc/config.gz or /boot/config-<release>); with it, SCHED_RR "
+                         "threads must stay in the root cpu cgroup")
+        if built_in:
+            return Check("rt-group-sched", True, "cgroup v2 on a kernel with RT group scheduling (CONFIG_RT_GROUP_SCHED=y): "
+                         "no per-cgroup RT budget, SCHED_RR threads must stay in the root cpu cgroup")
+        return Check("rt-group-sched", True, "cgroup v2, no RT group scheduling (CONFIG_RT_GROUP_SCHED is not set): "
+                     "SCHED_RR works in any cgroup")
     return Check("rt-group-sched", True, "no RT group scheduling: SCHED_RR works in any cgroup")
+
+
+def kernel_config_option(option: str, proc_root: str = "/proc") -> bool | None:
+    """Whether the running kernel was built with `option` (=y or =m), from /proc/config.gz or
+    /boot/config-<release>; None when neither is there."""
+    import gzip
+
+    sources = [(Path(proc_root, "config.gz"), gzip.open), (Path(f"/boot/config-{os.uname().release}"), open)]
+    for path, opener in sources:
+        try:
+            with opener(path, "rt") as config:
+                return any(line.startswith(f"{option}=") and line.strip().split("=", 1)[1] in ("y", "m")
+                           for line in config)
+        except OSError:
+            continue
+    return None
 
 
 def _check_perf() -> Check:

@@ -35,3 +35,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def service():
+    """reamer installed as README's "Operating the service" tells an operator (the virtualenv is the
+    checkout's, already installed by `make test-hosts`), started with `systemctl enable --now reamer`.
+    Returns how long `systemctl enable --now` took (it returns once the agent sent READY=1)."""
+    import time
+
+    from tests.hosts.helpers import REPO, sh, wait_active
+
+    sh(["install", "-D", "-m", "0644", f"{REPO}/configs/reamer.yaml", "/etc/reamer/reamer.yaml"])
+    sh(["install", "-m", "0644", f"{REPO}/systemd/reamer.service", "/etc/systemd/system/reamer.service"])
+    sh(["ln", "-sf", f"{REPO}/.venv/bin/reamer", "/usr/local/bin/reamer"])
+    started = time.monotonic()
+    sh("systemctl daemon-reload && systemctl enable --now reamer", timeout=600)
+    took = time.monotonic() - started
+    wait_active()
+    return took

@@ -1,0 +1,75 @@
+"""The unit's sandboxing options leave every operation of the agent and its jobs working: cgroup writes,
+SCHED_RR, perf probing, model paths and offline output directories where operators keep them (/srv,
+/home, /tmp). Checked twice: a probe run under the unit's own [Service] options (systemd-run) against
+the same probe run plainly, and offline inference through the real service."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.hosts.helpers import REPO, api, sh, tiny_model, wait_for
+
+pytestmark = pytest.mark.profiles("v2-numa", "v1")
+UNIT = Path("/etc/systemd/system/reamer.service")
+LIFECYCLE = {"Type", "NotifyAccess", "WatchdogSec", "ExecStart", "Restart", "RestartSec", "TimeoutStopSec",
+             "TimeoutStartSec", "TimeoutAbortSec", "KillMode", "RuntimeDirectory", "RuntimeDirectoryMode",
+             "RuntimeDirectoryPreserve", "StateDirectory", "StateDirectoryMode", "ConfigurationDirectory",
+             "Environment"}
+
+
+def sandbox_options() -> list[str]:
+    options, section = [], ""
+    for line in UNIT.read_text().splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]" and "=" in line and not line.startswith("#"):
+            key = line.split("=", 1)[0]
+            if key not in LIFECYCLE:
+                options.append(line)
+    assert options, f"no sandboxing options found in {UNIT}"
+    return options
+
+
+def probe(model: str, tmp_dir: str, home_dir: str, sandboxed: bool) -> dict[str, str]:
+    cmd = [f"{REPO}/.venv/bin/python", str(Path(__file__).with_name("sandbox_probe.py")), model, tmp_dir, home_dir]
+    if sandboxed:
+        props = [arg for option in sandbox_options() for arg in ("-p", option)]
+        cmd = ["systemd-run", "--wait", "--pipe", "--quiet", "--collect", f"--working-directory={REPO}",
+               f"--setenv=PYTHONPATH={REPO}", *props, *cmd]
+    return json.loads(sh(cmd, timeout=300, env={"PYTHONPATH": str(REPO)}).strip().splitlines()[-1])
+
+
+def test_unit_options_leave_perf_rr_cgroups_and_paths_working(service):
+    model = tiny_model("/home/labuser/models")
+    plain = probe(model, "/tmp/lab-probe", "/home/labuser/lab-probe", sandboxed=False)
+    assert plain["perf_software"] == plain["sched_rr"] == plain["cgroup"] == plain["model"] == "ok", plain
+    boxed = probe(model, "/tmp/lab-probe", "/home/labuser/lab-probe", sandboxed=True)
+    assert boxed == plain, f"under the unit's options: {boxed}\nplainly: {plain}"
+
+
+def write_inputs(directory: Path, count: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        np.save(directory / f"in{i}.npy", np.full((1, 16), i, dtype=np.float32))
+
+
+@pytest.mark.parametrize("where", ["tmp", "home"])
+def test_offline_job_reads_and_writes_where_the_operator_points(service, where):
+    base = Path("/tmp/lab-offline") if where == "tmp" else Path("/home/labuser/lab-offline")
+    write_inputs(base / "in", 3)
+    model = tiny_model("/home/labuser/models" if where == "home" else "/srv/models")
+    name = f"offline-{where}"
+    api("POST", "/v1/inference-jobs", {"name": name, "model": model, "kind": "offline", "input_dir": str(base / "in"),
+                                       "output_dir": str(base / "out"), "layout": "1x1:b1"})
+    try:
+        job = wait_for(lambda: (j := api("GET", f"/v1/inference-jobs/{name}"))["state"] in ("done", "failed") and j,
+                       timeout=300, interval=2, what=f"offline job {name} finished")
+        assert job["state"] == "done", job
+        outputs = sorted(p.name for p in (base / "out").glob("*.npz"))  # seen from outside the unit's namespace
+        assert outputs == ["in0.npz", "in1.npz", "in2.npz"], outputs
+    finally:
+        api("DELETE", f"/v1/inference-jobs/{name}")
