@@ -264,6 +264,20 @@ def _handler(method: Callable, request_type: type, response_type: type) -> grpc.
                                                response_serializer=response_type.SerializeToString)
 
 
+def _bind_error(host: str, port: int) -> str:
+    """Why the OS refuses host:port (a plain bind, as the server's)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return "grpc could not bind it"
+
+
 class GrpcFrontDoor:
     """A grpc.aio server of `service` on host:port (0 = a free port, known after start()).
 
@@ -303,13 +317,11 @@ class GrpcFrontDoor:
         address = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
         try:
             port = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            port, reason = 0, str(exc)
-        else:
-            reason = "the address is in use or not on this host"
+        except RuntimeError:  # grpc's own text points at GRPC_VERBOSITY; the OS says why
+            port = 0
         if not port:
-            raise ReamerError(f"cannot listen for gRPC on {address}: {reason}",
-                              "pick a free grpc_port, or 0 to let the system choose")
+            raise ReamerError(f"cannot listen for gRPC on {address}: {_bind_error(self.host, self.requested_port)}",
+                              "pick a free grpc_port (0 lets the system choose) on an address of this host")
         await server.start()
         self._server, self.port = server, port
         return port

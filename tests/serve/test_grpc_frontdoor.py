@@ -421,3 +421,21 @@ def test_calls_over_the_jobs_connection_limit_are_resource_exhausted(model, refe
         np.testing.assert_array_equal(answered.as_numpy("id_sum"), reference.run(feeds)["id_sum"])
     finally:
         assert j.stop() == 0
+
+
+def test_a_grpc_port_in_use_fails_the_start_with_the_fix():
+    import asyncio
+    import socket
+
+    from reamer.host.errors import ReamerError
+    from reamer.serve.batcher import DynamicBatcher
+    from reamer.serve.grpc_frontdoor import GrpcFrontDoor, GrpcV2Service
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        door = GrpcFrontDoor(GrpcV2Service("m", DynamicBatcher(None)), "127.0.0.1", port, 1 << 20)
+        with pytest.raises(ReamerError) as err:
+            asyncio.run(door.start())
+    assert f"127.0.0.1:{port}" in str(err.value) and "grpc_port" in str(err.value)
