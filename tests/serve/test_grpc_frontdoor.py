@@ -34,7 +34,8 @@ class RunningJob:
     def __init__(self, model: str, tmp_path, name: str = "mio", **spec_fields) -> None:
         self.name = name
         self.run_dir = tmp_path / "run"
-        spec = JobSpec(name=name, kind="online", model=model, port=0, grpc_port=0, host="127.0.0.1",
+        spec_fields.setdefault("host", "127.0.0.1")
+        spec = JobSpec(name=name, kind="online", model=model, port=0, grpc_port=0,
                        run_dir=str(self.run_dir), instances=[InstanceSpec([CPUS[-1]], 1, MAX_BATCH)],
                        frontdoor_cpus=[CPUS[0]], **spec_fields)
         spec.save(tmp_path / "spec.json")
