@@ -100,6 +100,11 @@ class InferenceConfig(_Section):
     job_log_mb: float = Field(default=16.0, gt=0, le=1 << 20)
     restart_limit: int = Field(default=5, ge=0)
     restart_window_s: float = Field(default=60.0, gt=0)
+    # Memory limit (MiB) of each job's processes through its memory cgroup; a job's own
+    # memory_limit_mb wins. None = no limit.
+    memory_limit_mb: Optional[float] = Field(default=None, gt=0, le=2**30)
+    # oom_score_adj of every job process (1..1000): the kernel's OOM killer takes them before training.
+    oom_score_adj: int = Field(default=800, ge=1, le=1000)
 
 
 class SecurityConfig(_Section):

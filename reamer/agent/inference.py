@@ -231,6 +231,7 @@ class InferenceRecord:
     restarts: list[float] = field(default_factory=list)
     events_offset: int = 0
     owner_uid: int = 0  # the API caller who deployed it; only it or root may remove it
+    memory_limit_mb: float | None = None  # None: the config's inference.memory_limit_mb
 
     def to_doc(self) -> dict[str, Any]:
         return asdict(self)

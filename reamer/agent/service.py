@@ -22,6 +22,7 @@ from reamer.agent.errors import Conflict, InvalidRequest, NotFound
 from reamer.agent.events import Event, EventLog
 from reamer.agent.inference import (InferenceRecord, InferenceSupervisor, LayoutChooser, apply_choice, choose_for,
                                     free_port, load_chooser, validate_request)
+from reamer.agent.memory_guard import InferenceMemoryGuard
 from reamer.agent.policy import (AGENT, Caller, SecurityRules, check_cgroup, check_job_owner, check_priority,
                                  check_processes)
 from reamer.agent.store import Store
@@ -68,6 +69,8 @@ class Agent:
         self.supervisor.frontdoor = config.inference.frontdoor.model_dump()
         self.supervisor.bind_address = config.inference.bind_address
         self.supervisor.job_log_mb = config.inference.job_log_mb
+        self.memory = InferenceMemoryGuard(self.driver, config.cgroup_name, config.inference.oom_score_adj,
+                                           config.inference.memory_limit_mb, self.events.emit, proc_root)
         profile_dir = config.inference.profile_dir or str(Path(config.state_dir) / "profiles")
         self.choose_layout: LayoutChooser = layout_chooser or load_chooser(config.inference.layout_chooser, profile_dir, config.inference)
         self.gpu = gpu_manager
@@ -175,6 +178,7 @@ class Agent:
                 self._end_training(name, "all its processes exited")
             self.supervisor.tick()
             self._replan()
+            self.memory.apply(self.supervisor.records.values())
         # The GPU manager is thread-safe and its tick runs MPS control commands (up to
         # gpu.command_timeout_s each): outside the agent lock, so a slow MPS daemon never stalls the API.
         # Paced by gpu.sample_interval_s, not by the (usually faster) reconcile interval.
@@ -422,6 +426,7 @@ class Agent:
             self._check_layout_size(req.get("layout"))
             rec = validate_request(req, self.config.inference.default_backend)
             rec.owner_uid = caller.uid
+            rec.memory_limit_mb = req.get("memory_limit_mb")
             cpus = self._online_free_cpus()
         if rec.kind == "online" and rec.layout is None:
             apply_choice(rec, choose_for(self.choose_layout, rec, cpus), cpus)
@@ -439,6 +444,7 @@ class Agent:
             self.events.emit("inference_deployed", f"{name} ({rec.kind}, {rec.backend}) deployed", job=name,
                              data={"layout": rec.layout, "port": rec.port, "grpc_port": rec.grpc_port})
             self._replan()
+            self.memory.apply([rec])  # at once: the job's workers inherit its oom_score_adj and cgroup
             return self._inference_view(rec)
 
     def _check_layout_size(self, layout: str | None) -> None:
@@ -467,6 +473,7 @@ class Agent:
         self.supervisor.wait_stopped(name, pid)
         with self._lock:
             self.supervisor.forget_process(name)
+            self.memory.forget(name)
             self._replan()
         view.update(state="done", message="removed")
         return view
@@ -482,6 +489,8 @@ class Agent:
         fields = ("rate_rps", "p50_ms", "p99_ms", "slo_attainment", "done", "total", "throughput", "eta_s")
         status_doc = {k: getattr(status, k) for k in fields} if status is not None else {}
         message = rec.message or (status.message if status is not None else "")
+        oom = self.memory.oom_note(rec.name)
+        message = f"{message}; {oom}" if message and oom else (message or oom)
         return {"name": rec.name, "model": rec.model, "kind": rec.kind, "backend": rec.backend,
                 "slo_ms": rec.slo_ms, "rate_rps": rec.rate_rps, "port": rec.port, "grpc_port": rec.grpc_port,
                 "input_dir": rec.input_dir,
@@ -489,6 +498,8 @@ class Agent:
                 "layout": rec.layout or _layout_of(rec.instances), "instances": [dict(i) for i in rec.instances],
                 "pid": rec.pid if rec.state == "running" else None, "status": status_doc, "message": message,
                 "created_at": rec.created_at, "owner_uid": rec.owner_uid,
+                "memory_limit_mb": self.memory.limit_of(rec), "oom_kills": self.memory.jobs.get(rec.name).oom_kills
+                if rec.name in self.memory.jobs else 0,
                 "bind_address": (rec.bind_address or self.supervisor.bind_address) if rec.kind == "online" else None,
                 "url": self.supervisor.url(rec), "shapes": rec.shapes, "input_data": rec.input_data}
 

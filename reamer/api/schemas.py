@@ -149,6 +149,8 @@ class InferenceJobRequest(_Body):
     max_batch: Optional[int] = Field(default=None, ge=1, le=65536)
     # e.g. "2x1:b4" or "2x1:b4+1x2:b8"; default: searched / all free cores
     layout: Optional[str] = Field(default=None, max_length=1024)
+    # memory limit (MiB) of all the job's processes (its memory cgroup); default inference.memory_limit_mb
+    memory_limit_mb: Optional[float] = Field(default=None, gt=0, le=2**30, allow_inf_nan=False)
     # online: the one address the front doors listen on (default: inference.bind_address, 0.0.0.0 = all)
     bind_address: Optional[str] = Field(default=None, max_length=64)
     # the traffic, as perf_analyzer takes it: input name -> dims (with or without the batch dim), and a
@@ -203,6 +205,8 @@ class InferenceJob(_Response):
     message: str = ""
     created_at: float = 0.0
     owner_uid: int = 0  # who deployed it (root: 0); only it or root may remove it
+    memory_limit_mb: Optional[float] = None  # the limit its processes run under (None: none)
+    oom_kills: int = 0  # its processes the kernel's OOM killer killed (seen by this agent)
     bind_address: Optional[str] = None  # online: where its front doors listen (0.0.0.0: every interface)
     url: Optional[str] = None  # online: the URL clients use (for 0.0.0.0: the host's name or primary address)
     shapes: dict[str, list[int]] = Field(default_factory=dict)

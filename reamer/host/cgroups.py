@@ -160,6 +160,42 @@ class CgroupDriver(ABC):
             raise ThreadGone(pid) from None
         return _parse_proc_cgroup(text)
 
+    # --- memory (the memory controller must be created with the cgroup: controllers=("memory",)) ---
+
+    def memory_dir(self, path: str) -> Path:
+        raise HostError("this cgroup driver has no memory controller", "use cgroup v1 or v2 with memory enabled")
+
+    def set_memory_limit(self, path: str, limit_bytes: int | None) -> None:
+        """The cgroup's hard memory limit (v1 memory.limit_in_bytes, v2 memory.max); None = unlimited."""
+        directory = self.memory_dir(path)
+        value = -1 if limit_bytes is None else int(limit_bytes)
+        if self.version == 1:
+            # With swap accounting, memory+swap gets the same limit (a job over it must not swap instead);
+            # the kernel wants memsw >= limit at every step, so the order depends on the direction.
+            files = ["memory.limit_in_bytes"]
+            if (directory / "memory.memsw.limit_in_bytes").exists():
+                files.append("memory.memsw.limit_in_bytes")
+                old = int(_read(directory / "memory.limit_in_bytes"))
+                if value == -1 or value > old:
+                    files.reverse()
+            for name in files:
+                _write(directory / name, value)
+        else:
+            _write(directory / "memory.max", "max" if limit_bytes is None else value)
+            if (directory / "memory.swap.max").exists():
+                _write(directory / "memory.swap.max", "max" if limit_bytes is None else 0)
+
+    def oom_kills(self, path: str) -> int:
+        """Processes of the cgroup the kernel's OOM killer has killed (its own limit or the whole host's);
+        v1 memory.oom_control / v2 memory.events, field oom_kill (0 where the kernel does not count)."""
+        directory = self.memory_dir(path)
+        text = _read(directory / ("memory.oom_control" if self.version == 1 else "memory.events"))
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
 
 class CgroupV1Driver(CgroupDriver):
     """cgroup v1: a separate tree per controller under <root>/<controller>."""
@@ -386,6 +422,9 @@ class CgroupV1Driver(CgroupDriver):
     def processes(self, path: str, controller: str = "cpu") -> list[int]:
         return _read_ids(self._dir(controller, path) / "cgroup.procs")
 
+    def memory_dir(self, path: str) -> Path:
+        return self._dir("memory", path)
+
 
 def _make_dir(directory: Path) -> None:
     """mkdir one cgroup; the kernel fills it with its control files (tests replace this for fake trees)."""
@@ -536,6 +575,9 @@ class CgroupV2Driver(CgroupDriver):
 
     def processes(self, path: str, controller: str = "cpu") -> list[int]:
         return _read_ids(self._dir(path) / "cgroup.procs")
+
+    def memory_dir(self, path: str) -> Path:
+        return self._dir(path)
 
     def cgroup_of(self, pid: int) -> dict[str, str]:
         mapping = super().cgroup_of(pid)

@@ -150,7 +150,7 @@ def cgroup_path(pid: int, controller: str) -> str:
 def cleanup_cgroups(name: str) -> None:
     """Demote, move out and remove everything under the cgroup `name` (cpu and cpuset trees)."""
     root = Path("/sys/fs/cgroup")
-    for controller in ("cpuset", "cpu"):
+    for controller in ("cpuset", "cpu", "memory"):
         base = root / controller / name
         if not base.is_dir():
             continue
@@ -166,7 +166,7 @@ def cleanup_cgroups(name: str) -> None:
                     (root / controller / "cgroup.procs").write_text(pid)
                 except OSError:
                     pass
-    for controller in ("cpu", "cpuset"):
+    for controller in ("cpu", "cpuset", "memory"):  # memory: inference jobs' memory cgroups
         base = root / controller / name
         if not base.is_dir():
             continue

@@ -79,9 +79,15 @@ def test_restart_reattaches_and_keeps_pinning(daemon_factory, trainer_factory):
 
 
 def test_attach_errors_are_clear(daemon, trainer_factory):
+    from reamer.host.identity import pid_max
+
+    ghost = next(p for p in range(pid_max() - 1, 1, -1) if not os.path.exists(f"/proc/{p}"))
     with pytest.raises(ApiError) as info:
-        daemon.client.attach_training({"name": "ghost", "pids": [2**22 + 7]})
+        daemon.client.attach_training({"name": "ghost", "pids": [ghost]})
     assert info.value.status == 400 and "does not exist" in info.value.message
+    with pytest.raises(ApiError) as info:  # past any pid_max: refused by the request schema
+        daemon.client.attach_training({"name": "ghost", "pids": [2**22 + 7]})
+    assert info.value.status == 422 and "pids" in info.value.message
     trainer = trainer_factory(threads=1)
     with pytest.raises(ApiError) as info:
         daemon.client.attach_training({"name": "big", "pids": [trainer.pid], "cores": 64})
