@@ -425,6 +425,12 @@ class InferenceSupervisor:
             return None
         return client_url(rec.bind_address or self.bind_address, rec.port)
 
+    def grpc_target(self, rec: InferenceRecord) -> str | None:
+        """HOST:PORT a gRPC client dials for an online job's gRPC front door (the REST url's host)."""
+        if rec.kind != "online" or not rec.grpc_port:
+            return None
+        return client_url(rec.bind_address or self.bind_address, rec.grpc_port).split("://", 1)[1]
+
     def allowed_cpus(self, rec: InferenceRecord) -> set[int]:
         spec = self.build_spec(rec)
         return set(spec.frontdoor_cpus) | {c for i in spec.instances for c in i.cpus}

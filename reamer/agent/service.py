@@ -501,7 +501,8 @@ class Agent:
                 "memory_limit_mb": self.memory.limit_of(rec), "oom_kills": self.memory.jobs.get(rec.name).oom_kills
                 if rec.name in self.memory.jobs else 0,
                 "bind_address": (rec.bind_address or self.supervisor.bind_address) if rec.kind == "online" else None,
-                "url": self.supervisor.url(rec), "shapes": rec.shapes, "input_data": rec.input_data}
+                "url": self.supervisor.url(rec), "grpc_target": self.supervisor.grpc_target(rec),
+                "shapes": rec.shapes, "input_data": rec.input_data}
 
     def list_inference(self) -> list[dict[str, Any]]:
         with self._lock:

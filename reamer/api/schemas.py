@@ -209,6 +209,7 @@ class InferenceJob(_Response):
     oom_kills: int = 0  # its processes the kernel's OOM killer killed (seen by this agent)
     bind_address: Optional[str] = None  # online: where its front doors listen (0.0.0.0: every interface)
     url: Optional[str] = None  # online: the URL clients use (for 0.0.0.0: the host's name or primary address)
+    grpc_target: Optional[str] = None  # online: HOST:PORT gRPC clients dial (tritonclient.grpc's url), same host
     shapes: dict[str, list[int]] = Field(default_factory=dict)
     input_data: Optional[str] = None
 

@@ -138,7 +138,7 @@ def deploy(cli: CliContext, name, model, online, offline, slo_ms, rate, port, in
                              + (f", layout {field(j, 'layout')}" if field(j, "layout") else "")
                              + (f", {field(j, 'url')}" if field(j, "url") else
                                 (f", port {field(j, 'port')}" if field(j, "port") else ""))
-                             + (f", gRPC port {field(j, 'grpc_port')}" if field(j, "grpc_port") else "")
+                             + (f", gRPC {field(j, 'grpc_target') or field(j, 'grpc_port')}" if field(j, "grpc_port") else "")
                              + (f" — {field(j, 'message')}" if field(j, "message") else ""))
 
 
@@ -154,7 +154,7 @@ def render_job(job) -> str:
         ("name", field(job, "name")), ("kind", field(job, "kind")), ("state", field(job, "state")),
         ("model", field(job, "model")), ("backend", field(job, "backend")), ("layout", field(job, "layout")),
         ("slo ms", field(job, "slo_ms")), ("rate rps", field(job, "rate_rps")), ("port", field(job, "port")),
-        ("grpc port", field(job, "grpc_port")), ("url", field(job, "url")), ("listens on", field(job, "bind_address")),
+        ("grpc port", field(job, "grpc_port")), ("url", field(job, "url")), ("grpc target", field(job, "grpc_target")), ("listens on", field(job, "bind_address")),
         ("shapes", " ".join(f"{k}:{','.join(map(str, v))}" for k, v in (field(job, "shapes") or {}).items()) or None),
         ("input data", field(job, "input_data")),
         ("input", field(job, "input_dir")), ("output", field(job, "output_dir")), ("pid", field(job, "pid")),

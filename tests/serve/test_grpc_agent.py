@@ -48,10 +48,14 @@ def test_an_online_job_gets_a_grpc_port_and_answers_tritonclient_grpc(daemon, ti
     finally:
         ref.close()
     np.testing.assert_array_equal(_infer(target, "rpc", x), want)
-    assert daemon.client.get_inference_job("rpc").grpc_port == job.grpc_port
+    again = daemon.client.get_inference_job("rpc")
+    assert again.grpc_port == job.grpc_port
+    # the address to dial: the REST url's host with the gRPC port (what tritonclient.grpc takes as its url)
+    assert again.url and again.grpc_target == f"{again.url.split('://', 1)[1].rsplit(':', 1)[0]}:{job.grpc_port}"
+    np.testing.assert_array_equal(_infer(again.grpc_target, "rpc", x), want)  # and it answers there
     shown = CliRunner().invoke(cli, ["infer", "show", "rpc"], env={"REAMER_SOCKET": daemon.socket})
     assert shown.exit_code == 0, shown.output
-    assert f"grpc port" in shown.output and str(job.grpc_port) in shown.output
+    assert "grpc port" in shown.output and "grpc target" in shown.output and again.grpc_target in shown.output
 
 
 def test_deploy_takes_the_grpc_port_asked_for_and_refuses_the_rest_port(daemon, tiny_model):
