@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -258,6 +260,7 @@ def _handler(method: Callable, request_type: type, response_type: type) -> grpc.
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
+            traceback.print_exc(file=sys.stderr)  # to the job's log, as the REST door does
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}: {exc}")
 
     return grpc.unary_unary_rpc_method_handler(call, request_deserializer=request_type.FromString,
