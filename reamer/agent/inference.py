@@ -650,7 +650,9 @@ def validate_request(req: dict[str, Any], default_backend: str) -> InferenceReco
     if not model.is_file():
         raise InvalidRequest(f"model file {model} does not exist on this node",
                              "build one with `reamer models build tiny --out FILE` or copy the ONNX file here")
-    backend = req.get("backend") or default_backend
+    from reamer.serve.spec import canonical_backend
+
+    backend = canonical_backend(req.get("backend") or default_backend) or req.get("backend")
     if backend not in ("onnxruntime", "openvino"):
         raise InvalidRequest(f"backend {backend!r} is unknown", "use onnxruntime or openvino")
     layout = req.get("layout")

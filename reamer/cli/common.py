@@ -219,6 +219,18 @@ def sample_spec(shapes: Sequence[str], input_data: str | None):
     return SampleSpec(shapes=shapes_from_options(shapes), input_data=data)
 
 
+class BackendChoice(click.Choice):
+    """onnxruntime | openvino, also as users write them (ORT, onnx-runtime, OpenVINO, ov)."""
+
+    def __init__(self) -> None:
+        super().__init__(("onnxruntime", "openvino"))
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from reamer.serve.spec import canonical_backend
+
+        return super().convert(canonical_backend(str(value)) or value, param, ctx)
+
+
 def _set_output(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
     if value is not None:
         obj = ctx.find_object(CliContext)

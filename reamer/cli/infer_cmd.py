@@ -6,8 +6,8 @@ import time
 
 import click
 
-from reamer.cli.common import (BadInput, CliContext, ReamerGroup, emit, field, pass_cli, render_fields, render_table,
-                               sample_spec, traffic_options)
+from reamer.cli.common import (BackendChoice, BadInput, CliContext, ReamerGroup, emit, field, pass_cli,
+                               render_fields, render_table, sample_spec, traffic_options)
 from reamer.cli.node_cmd import inference_progress, render_inference_table
 from reamer.host.cpulist import format_cpulist
 from reamer.host.errors import ReamerError
@@ -113,7 +113,7 @@ def wait_for_job(client, name: str, kind: str, timeout_s: float | None = None, s
               help="Online: gRPC port (Open Inference Protocol, tritonclient.grpc; default: a free one).")
 @click.option("--input", "input_dir", default=None, metavar="DIR", help="Offline: directory of .npy/.npz inputs.")
 @click.option("--output", "output_dir", default=None, metavar="DIR", help="Offline: directory for results.")
-@click.option("--backend", type=click.Choice(BACKENDS), default=None, help="Inference runtime (default: config).")
+@click.option("--backend", type=BackendChoice(), default=None, help="Inference runtime (default: config).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest dynamic batch.")
 @click.option("--layout", default=None, metavar="SPEC", help='Instances, e.g. "2x1:b4+1x2:b8" (see `reamer search`).')
 @click.option("--bind", default=None, metavar="ADDRESS",
@@ -220,12 +220,12 @@ def parse_options(options: tuple[str, ...]) -> dict:
 @pass_cli
 def build(cli: CliContext, family: str, out_path: str, options: tuple[str, ...], seed: int) -> None:
     """Write model FAMILY as an ONNX file (see `reamer models list`)."""
-    from reamer.serve.models import MODEL_FAMILIES, build_model, canonical_family
+    from reamer.serve.models import MODEL_FAMILIES, build_model, canonical_family, canonical_options
 
     if canonical_family(family) is None:
         raise BadInput(f"unknown model family {family!r}", f"pick one of {', '.join(MODEL_FAMILIES)}")
     family = canonical_family(family)
-    family_opts = parse_options(options)
+    family_opts = canonical_options(family, parse_options(options))
     known = family_options(family)
     unknown = sorted(set(family_opts) - set(known))
     if known and unknown:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from reamer.cli.common import (BadInput, CliContext, cpulist_option_value, emit, pass_cli, render_table, sample_spec,
+from reamer.cli.common import (BackendChoice, BadInput, CliContext, cpulist_option_value, emit, pass_cli, render_table, sample_spec,
                                traffic_options)
 from reamer.host.cpulist import format_cpulist
 
@@ -95,7 +95,7 @@ def choose_cpus(n_cores: int | None, cpus_text: str | None) -> list[int]:
 
 @click.command()
 @click.argument("model")
-@click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True)
+@click.option("--backend", type=BackendChoice(), default="onnxruntime", show_default=True)
 @click.option("--cpus", "cpus_text", default=None, metavar="LIST", help="CPUs to measure on (default: all usable).")
 @click.option("--batches", default="1,4,16", show_default=True, metavar="LIST", help="Batch sizes to compare.")
 @click.option("--warmup-s", type=click.FloatRange(min=0), default=1.0, show_default=True, help="Warm-up per run.")
@@ -246,7 +246,7 @@ def write_plot(path: str, data: dict, rows: list[MeasurementRow]) -> None:
 @click.option("--cores", type=click.IntRange(min=1), required=True, help="Cores the job will have.")
 @click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
               help="p99 latency target (online); without it: maximise throughput (offline).")
-@click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True)
+@click.option("--backend", type=BackendChoice(), default="onnxruntime", show_default=True)
 @click.option("--exhaustive", is_flag=True, help="Measure every layout (the paper's search; slow).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=32, show_default=True,
               help="Largest batch tried (batches are powers of two up to it).")

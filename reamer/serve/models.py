@@ -314,6 +314,26 @@ def canonical_family(name: str) -> str | None:
     return FAMILY_ALIASES.get(key)
 
 
+# Hugging Face's config names for the BERT options (what users copy from a config.json) -> ours
+OPTION_ALIASES: dict[str, dict[str, str]] = {
+    "bert-base": {"num_hidden_layers": "layers", "hidden_size": "hidden", "num_attention_heads": "heads",
+                  "intermediate_size": "intermediate", "max_position_embeddings": "max_positions",
+                  "sequence_length": "seq_len", "seq_length": "seq_len"},
+    "resnet50": {"num_labels": "num_classes", "input_size": "image_size"},
+    "mobilenet_v2": {"num_labels": "num_classes", "input_size": "image_size"},
+}
+
+
+def canonical_options(family: str, options: dict) -> dict:
+    """`options` with the aliases of OPTION_ALIASES replaced by our names (`-` and `_` alike)."""
+    aliases = OPTION_ALIASES.get(canonical_family(family) or family, {})
+    out = {}
+    for key, value in options.items():
+        key = key.replace("-", "_")
+        out[aliases.get(key, key)] = value
+    return out
+
+
 def build_model(family: str, out_path: str | os.PathLike, seed: int = 0, **options) -> ModelInfo:
     """Write `family` as an ONNX file at `out_path` (random weights from `seed`) and describe it.
 
@@ -322,6 +342,7 @@ def build_model(family: str, out_path: str | os.PathLike, seed: int = 0, **optio
     tiny: features, hidden, classes; multi-io: features, tokens, vocab, classes.
     """
     family = canonical_family(family) or family
+    options = canonical_options(family, options)
     builder_fn = _BUILDERS.get(family)
     if builder_fn is None:
         raise UnknownModelFamily(f"unknown model family {family!r}",

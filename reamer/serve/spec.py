@@ -21,6 +21,14 @@ SchedPolicy = Literal["other", "idle"]
 JobState = Literal["starting", "ready", "running", "done", "failed"]
 
 BACKENDS = ("onnxruntime", "openvino")
+# other names users type for them (case and "-"/"_" do not matter)
+BACKEND_ALIASES = {"ort": "onnxruntime", "onnx": "onnxruntime", "onnxruntime": "onnxruntime",
+                   "openvino": "openvino", "ov": "openvino", "openvinoruntime": "openvino"}
+
+
+def canonical_backend(name: str) -> str | None:
+    """The backend `name` means (ONNX Runtime, ORT, onnx-runtime, OpenVINO, ov, ...), or None."""
+    return BACKEND_ALIASES.get(name.strip().lower().replace("-", "").replace("_", "").replace(" ", ""))
 STATUS_FILE = "status.json"
 EVENTS_FILE = "events.jsonl"
 # Temp files of write_atomic look like ".<name>.tmp-<pid>-<hex>": hidden, and never a final name.

@@ -170,3 +170,11 @@ def test_profile_takes_the_family_names_users_type(name, monkeypatch):
     monkeypatch.setattr("reamer.serve.models.build_model", fake_build)
     result = CliRunner().invoke(cli, ["profile", name, "--cpus", "1"])
     assert built["family"] == "mobilenet_v2", result.output
+
+
+def test_profile_takes_backend_names_users_type(tiny):
+    result = CliRunner().invoke(cli, ["profile", tiny, "--backend", "ORT", "--cpus", "1", "--batches", "1", *FAST,
+                                      "-o", "json"])
+    assert result.exit_code == 0, result.output
+    bad = CliRunner().invoke(cli, ["profile", tiny, "--backend", "tensorrt", "--cpus", "1"])
+    assert bad.exit_code == 2 and "onnxruntime" in bad.output

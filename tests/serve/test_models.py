@@ -133,3 +133,19 @@ def test_unknown_family_lists_families(tmp_path):
 def test_bad_option_is_a_reamer_error(tmp_path):
     with pytest.raises(ReamerError, match="option"):
         build_model("tiny", tmp_path / "x.onnx", depth=3)
+
+
+def test_bert_takes_hugging_face_option_names(tmp_path):
+    info = build_model("bert-base-uncased", tmp_path / "b.onnx", num_hidden_layers=1, hidden_size=64,
+                       num_attention_heads=2, intermediate_size=128, vocab_size=50, seq_length=8)
+    assert info.family == "bert-base" and info.inputs[0].shape == [-1, 8]
+    small = build_model("bert-base", tmp_path / "s.onnx", layers=1, hidden=64, heads=2, intermediate=128,
+                        vocab_size=50, seq_len=8)
+    assert info.params == small.params
+
+
+def test_backend_names_users_type():
+    from reamer.serve.spec import canonical_backend
+
+    assert [canonical_backend(n) for n in ("ORT", "onnx-runtime", "OnnxRuntime", "OpenVINO", "ov", "tensorrt")] == \
+        ["onnxruntime", "onnxruntime", "onnxruntime", "openvino", "openvino", None]
