@@ -34,3 +34,32 @@ def bert_feeds(rows: int, seq: int, type_id: int = 0, word_id: int = 1) -> dict[
     ids = np.full((rows, seq), word_id, np.int64)
     return {"input_ids": ids, "attention_mask": np.ones((rows, seq), np.int64),
             "token_type_ids": np.full((rows, seq), type_id, np.int64)}
+
+
+def export_bert(path, output: str = "last_hidden_state") -> str:
+    """A small BertModel (transformers, random weights, type_vocab_size 2) exported by torch.onnx with the
+    same inputs and output; the test skips where torch or transformers are not installed."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=384, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=256, max_position_embeddings=128, type_vocab_size=2)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            return self.bert(input_ids=input_ids, attention_mask=attention_mask,
+                             token_type_ids=token_type_ids).last_hidden_state
+
+    ids = torch.ones(2, 16, dtype=torch.long)
+    names = list(INPUTS)
+    torch.onnx.export(Encoder(), (ids, ids, ids * 0), str(path), input_names=names, output_names=[output],
+                      dynamic_axes={n: {0: "batch", 1: "seq"} for n in names + [output]}, opset_version=17,
+                      dynamo=False)
+    return str(path)

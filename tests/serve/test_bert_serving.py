@@ -18,7 +18,7 @@ import pytest
 
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus, read_events
 from tests.conftest import wait_for
-from tests.serve.bertlike import bert_feeds, build_bertlike
+from tests.serve.bertlike import bert_feeds, build_bertlike, export_bert
 
 httpclient = pytest.importorskip("tritonclient.http")
 
@@ -27,37 +27,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 OUTPUT = "last_hidden_state"
 
 
-def _export_bert(path) -> str:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=100, hidden_size=384, num_hidden_layers=1, num_attention_heads=4,
-                                     intermediate_size=256, max_position_embeddings=128, type_vocab_size=2)
-    torch.manual_seed(0)
-    model = transformers.BertModel(config, add_pooling_layer=False).eval()
-
-    class Encoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.bert = model
-
-        def forward(self, input_ids, attention_mask, token_type_ids):
-            return self.bert(input_ids=input_ids, attention_mask=attention_mask,
-                             token_type_ids=token_type_ids).last_hidden_state
-
-    ids = torch.ones(2, 16, dtype=torch.long)
-    names = ["input_ids", "attention_mask", "token_type_ids"]
-    torch.onnx.export(Encoder(), (ids, ids, ids * 0), str(path), input_names=names, output_names=[OUTPUT],
-                      dynamic_axes={n: {0: "batch", 1: "seq"} for n in names + [OUTPUT]}, opset_version=17,
-                      dynamo=False)
-    return str(path)
-
-
 @pytest.fixture(scope="module", params=["bertlike", "transformers"])
 def bert(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("bert")
     if request.param == "bertlike":
         return build_bertlike(out / "bertlike.onnx")
-    return _export_bert(out / "bert.onnx")
+    return export_bert(out / "bert.onnx")
 
 
 def _start(model, tmp_path, **spec_fields):
