@@ -178,3 +178,17 @@ def test_profile_takes_backend_names_users_type(tiny):
     assert result.exit_code == 0, result.output
     bad = CliRunner().invoke(cli, ["profile", tiny, "--backend", "tensorrt", "--cpus", "1"])
     assert bad.exit_code == 2 and "onnxruntime" in bad.output
+
+
+def test_profile_says_which_input_the_model_refused(bert, tmp_path):
+    import numpy as np
+
+    from tests.serve.bertlike import bert_feeds
+
+    data = tmp_path / "bad.npz"
+    np.savez(data, **bert_feeds(1, 8, type_id=7))  # the token-type table has two rows
+    result = CliRunner().invoke(cli, ["profile", bert, "--cpus", "1", "--batches", "1", *FAST,
+                                      "--input-data", str(data)])
+    assert result.exit_code == 1
+    assert "refused input token_type_ids" in result.output and "out of data bounds" in result.output
+    assert "fix: give the traffic's shapes" in result.output and "Traceback" not in result.output
