@@ -81,11 +81,11 @@ def inference_progress(job) -> str:
 
 def render_inference_table(jobs) -> str:
     return render_table(
-        ["name", "kind", "state", "backend", "layout", "slo ms", "cpus", "progress"],
+        ["name", "kind", "state", "backend", "layout", "slo ms", "cpus", "progress", "url"],
         [[field(j, "name"), field(j, "kind"), field(j, "state"), field(j, "backend"), field(j, "layout"),
           field(j, "slo_ms"),
           format_cpulist({c for i in field(j, "instances", []) for c in field(i, "cpus", [])}) or "-",
-          inference_progress(j)]
+          inference_progress(j), field(j, "url")]
          for j in jobs],
     )
 

@@ -337,6 +337,11 @@ def test_json_output_before_or_after_the_subcommand(run, args):
     json.loads(result.stdout)
 
 
+def test_infer_list_gives_the_url(run):
+    listing = run("infer", "list")
+    assert listing.exit_code == 0 and "URL" in listing.output and "http://node-a.example:8100" in listing.output
+
+
 def test_infer_show_gives_the_url(agent, tmp_path):
     socket_path, _ = agent
     result = CliRunner().invoke(cli, ["--socket", socket_path, "infer", "show", "svc"])
