@@ -141,6 +141,9 @@ def load_input_data(path: str | os.PathLike) -> dict[str, list[Any]]:
     fix = 'give a .npz of named arrays, or perf_analyzer\'s JSON: {"data": [{"NAME": [..]}]}'
     if not path.is_file():
         raise SampleError(f"input data file {path} does not exist", fix)
+    if not os.access(path, os.R_OK):
+        raise SampleError(f"input data file {path} is not readable by uid {os.geteuid()}",
+                          "make it readable by the user the job runs as (chmod o+r, or its group)")
     if path.suffix == ".npz":
         try:
             with np.load(path, allow_pickle=False) as npz:
