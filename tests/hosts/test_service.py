@@ -18,6 +18,9 @@ from tests.hosts.helpers import (Workload, alive, api, deploy_online, journal, m
                                  unit_props, wait_active, wait_for)
 from tests.hosts.test_pinning import pinned
 
+# The agent's life under systemd is the same on every cgroup version; re-adoption is not: v2 and v1.
+pytestmark = pytest.mark.profiles("v2-numa", "v1")
+
 
 @dataclass
 class Jobs:
@@ -87,6 +90,7 @@ def test_kill_9_keeps_pinning_and_systemd_restarts_an_agent_that_adopts(jobs):
     assert_adopted(jobs)
 
 
+@pytest.mark.profiles("v2-numa")  # a minute of waiting for the watchdog: once is enough
 def test_hung_agent_is_killed_by_the_watchdog_and_the_next_one_adopts(jobs):
     ensure_active()
     pid = main_pid()
