@@ -96,6 +96,29 @@ def measure_contention(path: Path, family: str, cpus: list[int], batches: list[i
     return found
 
 
+def measure_streams(path: Path, family: str, cpus: list[int], batches: list[int],
+                    timing: dict[str, float]) -> list[dict[str, Any]]:
+    """Per batch b: one OpenVINO instance on both cpus with 2 streams at batch 2b (each stream b) against
+    two 1-core instances at batch b together, alternated twice; factor = streams / instances throughput."""
+    fixed = {"warmup_s": timing["warmup_s"], "window_s": timing["window_s"], "windows": 4}
+    found = []
+    for b in batches:
+        one = Layout.uniform(1, 2, 2 * b, streams=2)
+        two = Layout.uniform(2, 1, b)
+        runs = {"streams": [], "instances": []}
+        for _ in range(2):
+            runs["streams"].append(measure_layout_detail(path, BACKEND, one, cpus, **fixed))
+            runs["instances"].append(measure_layout_detail(path, BACKEND, two, cpus, **fixed))
+        s_rps = statistics.mean(m.throughput_rps for m in runs["streams"])
+        i_rps = statistics.mean(m.throughput_rps for m in runs["instances"])
+        found.append({"batch": b, "streams_rps": s_rps, "instances_rps": i_rps,
+                      "streams_p99_ms": max(m.p99_ms for m in runs["streams"]),
+                      "instances_p99_ms": max(m.p99_ms for m in runs["instances"]),
+                      "factor": s_rps / i_rps if i_rps > 0 else float("nan")})
+        print(f"  {family} streams batch {b}: 1x2s2:b{2 * b} / 2x1:b{b} = {found[-1]['factor']:.3f}", flush=True)
+    return found
+
+
 def calibrate_model(family: str, options: dict[str, Any], cache_dir: Path, batches: list[int], cores: list[int],
                     contention_batches: list[int], timing: dict[str, float],
                     previous: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -112,8 +135,10 @@ def calibrate_model(family: str, options: dict[str, Any], cache_dir: Path, batch
             print(f"  {family} {c} core(s) batch {b}: {p.throughput_rps:.2f} rps, p99 {p.p99_ms:.0f} ms", flush=True)
     cpus = sorted(os.sched_getaffinity(0))[:2]
     contention = measure_contention(path, family, cpus, contention_batches, timing) if len(cpus) == 2 else []
+    streams = measure_streams(path, family, cpus, contention_batches, timing) \
+        if len(cpus) == 2 and BACKEND == "openvino" else []
     entry = {"options": options, "backend": BACKEND, "model_file": path.name, "points": points,
-             "contention": contention, "load_before": load_before, "load_after": loadavg(),
+             "contention": contention, "streams": streams, "load_before": load_before, "load_after": loadavg(),
              "contention_load": [load_before, loadavg()], "seconds": round(time.monotonic() - started, 1)}
     if previous:  # the points keep the load they were measured under
         entry["load_before"], entry["load_after"] = previous["load_before"], previous["load_after"]
@@ -156,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=0.5, help="measurement window, s (at least one batch each)")
     p.add_argument("--max-windows", type=int, default=6)
     p.add_argument("--quick", action="store_true", help="smoke: batches 1,2,4; contention at batch 1")
+    p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "openvino"),
+                   help="onnxruntime: the top-level models; openvino: backends.openvino.models (with streams)")
     p.add_argument("--contention-only", action="store_true", help="keep the stored points, measure contention again")
     p.add_argument("--calibration", default=None,
                    help=f"the JSON to write, entries of other models kept (default {CALIBRATION.relative_to(ROOT)}; "
@@ -164,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also copy the JSON into this directory (bench/run_all.py)")
     p.add_argument("--results-md", default=None, help="also write the calibration summary into this RESULTS.md")
     args = p.parse_args(argv)
+    global BACKEND
+    BACKEND = args.backend
     batches = [int(x) for x in args.batches.split(",")]
     contention_batches = [int(x) for x in args.contention_batches.split(",")]
     if args.quick:
@@ -178,21 +207,27 @@ def main(argv: list[str] | None = None) -> int:
         out_path = CALIBRATION
     data = json.loads(out_path.read_text()) if out_path.exists() else {}
     data.setdefault("models", {})
-    data.update({"machine": machine_info(), "backend": BACKEND, "timing": timing,
-                 "command": "python bench/search_calibration.py " + " ".join(sys.argv[1:] if argv is None else argv)})
+    command = "python bench/search_calibration.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    target = data
+    if BACKEND == "onnxruntime":
+        data.update({"machine": machine_info(), "backend": BACKEND, "timing": timing, "command": command})
+    else:  # the other backends' profiles sit beside the top-level (onnxruntime) ones
+        target = data.setdefault("backends", {}).setdefault(BACKEND, {})
+        target.setdefault("models", {})
+        target.update({"machine": machine_info(), "timing": timing, "command": command})
     try:
         for family in [m for m in args.models.split(",") if m]:
             if family not in MODELS:
                 raise ReamerError(f"unknown model {family!r} for the calibration", f"choose from {', '.join(MODELS)}")
             print(f"== {family} (load {loadavg()})", flush=True)
-            previous = data["models"].get(family) if args.contention_only else None
+            previous = target["models"].get(family) if args.contention_only else None
             if args.contention_only and not previous:
                 raise ReamerError(f"--contention-only: {family} has no stored points in {out_path}",
                                   "run the calibration of this model without --contention-only first")
             entry = calibrate_model(family, MODELS[family], Path(args.model_dir), batches,
                                     [int(x) for x in args.cores.split(",")], contention_batches, timing, previous)
             entry["measured_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            data["models"][family] = entry
+            target["models"][family] = entry
             tmp = out_path.with_name(f".{out_path.name}.tmp")
             tmp.write_text(json.dumps(data, indent=1))
             os.replace(tmp, out_path)  # after every model: a crash keeps what was measured

@@ -41,8 +41,10 @@ for _p in (str(ROOT), str(BENCH)):
 from results_md import replace_section  # noqa: E402
 
 from reamer.plan.layout import Layout, count_layouts, format_layout, parse_layout  # noqa: E402
-from reamer.plan.search import DEFAULT_BATCHES, exhaustive_search, quick_search  # noqa: E402
-from reamer.plan.simulator import CalibratedModel, calibrated_models  # noqa: E402
+from reamer.plan.search import (DEFAULT_BATCHES, count_backend_layouts, exhaustive_search,  # noqa: E402
+                                quick_search, quick_search_backends)
+from reamer.plan.simulator import (CalibratedBackends, CalibratedModel, calibrated_backends,  # noqa: E402
+                                   calibrated_models)
 
 SECTION = "## Layout search (issue 4)"
 SUBSECTION = "### Search quality: quick vs exhaustive"
@@ -109,9 +111,69 @@ def simulate_one(model: CalibratedModel, n_cores: int, slo: float | None, batche
     return row
 
 
+def simulate_backends_one(model: CalibratedBackends, n_cores: int, slo: float | None,
+                          batches: tuple[int, ...]) -> dict[str, Any]:
+    """`--backends auto`: the quick search over every calibrated backend (screening, per-backend search,
+    OpenVINO streams) against the exact best of the whole space (every backend, streams layouts)."""
+    counted = {"points": 0, "layouts": 0}
+
+    def measure(backend: str, cores: int, batch: int):
+        counted["points"] += 1
+        return model.profile(backend, cores, batch)
+
+    def verify(layout: Layout):
+        counted["layouts"] += 1
+        return model.run_layout(layout)
+
+    started = time.perf_counter()
+    quick, screens = quick_search_backends(measure, n_cores, slo, batches, verify, backends=model.backends)
+    search_s = time.perf_counter() - started
+    space = count_backend_layouts(n_cores, batches, model.backends)
+    paper = model.best_layout(n_cores, slo, batches)
+    row: dict[str, Any] = {
+        "model": model.name, "cores": n_cores, "slo_ms": slo, "noise": model.noise,
+        "seed": next(iter(model.models.values())).seed, "backends": model.backends,
+        "dropped": [s.backend for s in screens if s.dropped],
+        "space": space, "measured": quick.measured, "points": counted["points"], "layouts": counted["layouts"],
+        "measured_fraction": quick.measured / space, "search_cpu_s": round(search_s, 4),
+        "exhaustive_layout": format_layout(paper[0]) if paper else None,
+        "exhaustive_rps": paper[1] if paper else None,
+    }
+    if quick.best is not None:
+        true_rps, true_p99 = model.expected_layout(quick.best.layout)
+        row.update({"quick_layout": format_layout(quick.best.layout), "quick_true_rps": true_rps,
+                    "quick_true_p99_ms": true_p99, "quick_meets_slo": slo is None or true_p99 <= slo})
+    else:
+        row.update({"quick_layout": None, "quick_true_rps": 0.0, "quick_true_p99_ms": None,
+                    "quick_meets_slo": paper is None, "quick_note": quick.note})
+    if paper is None:
+        row["ratio"] = None
+        row["met"] = quick.best is None or row["quick_meets_slo"]
+    else:
+        rps = row["quick_true_rps"] if row["quick_meets_slo"] else 0.0
+        row["ratio"] = rps / paper[1]
+        row["met"] = row["ratio"] >= QUALITY_TARGET and row["measured_fraction"] <= MEASURE_TARGET
+    return row
+
+
 def simulator_study(calibration: dict, models: list[str], cores: list[int], slos: list[float | None],
-                    noises: list[float], seeds: int, batches: tuple[int, ...], enumerate_limit: int) -> list[dict]:
+                    noises: list[float], seeds: int, batches: tuple[int, ...], enumerate_limit: int,
+                    backends: str = "onnxruntime") -> list[dict]:
     rows = []
+    if backends == "auto":
+        for noise in noises:
+            base = calibrated_backends(calibration, noise=noise)
+            missing = [m for m in models if m not in base]
+            if missing:
+                raise SystemExit(f"error: {', '.join(missing)} not calibrated on every backend; run "
+                                 f"bench/search_calibration.py --backend openvino --models {','.join(missing)}")
+            for name in models:
+                for seed in range(seeds if noise else 1):
+                    model = base[name].with_noise(noise, seed)
+                    for n in cores:
+                        for slo in slos:
+                            rows.append(simulate_backends_one(model, n, slo, batches))
+        return rows
     for noise in noises:
         base = calibrated_models(calibration, noise=noise)
         missing = [m for m in models if m not in base]

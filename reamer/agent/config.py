@@ -62,7 +62,9 @@ class InferenceConfig(_Section):
     # How offline instances on training cores give way: "rr-preempt" = they run SCHED_OTHER and the
     # SCHED_RR training threads preempt them; "idle" = they also run SCHED_IDLE.
     offline_sched: Literal["rr-preempt", "idle"] = "rr-preempt"
-    default_backend: Literal["onnxruntime", "openvino"] = "onnxruntime"
+    # "auto": an online deploy that searches its layout tries every installed backend (the layout names the
+    # winner); offline jobs, given layouts without @BACKEND and deploys that do not search take the first installed
+    default_backend: Literal["auto", "onnxruntime", "openvino"] = "auto"
     # The address online jobs' front doors listen on: 0.0.0.0 = every interface (clients are elsewhere
     # in the cluster); one address of this node to keep them to it (127.0.0.1: this host only).
     bind_address: str = "0.0.0.0"

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -144,15 +144,23 @@ class ProfileCacheChooser:
         from reamer.plan.partition import NoFeasibleLayout
         from reamer.plan.search import plan_from_profile
 
-        points = [p for p in self._cached_points(model, backend, samples)
-                  if max_batch is None or p.batch <= max_batch]
-        # a profile measured on fewer cores than are free now is a miss when we may measure
-        if not points or (self.search is not None and max(p.cores for p in points) < len(cpus)):
-            return None
-        try:
-            candidate = plan_from_profile(points, len(cpus), slo_ms)
-        except NoFeasibleLayout as exc:
-            return LayoutChoice(None, accepted=False, achievable_rps=0.0, reason=exc.message)
+        backends = installed_backends() if backend == AUTO_BACKEND else [backend]
+        plans, refusals = [], []
+        for one in backends:
+            points = [p for p in self._cached_points(model, one, samples)
+                      if max_batch is None or p.batch <= max_batch]
+            # a profile measured on fewer cores than are free now is a miss when we may measure
+            if not points or (self.search is not None and max(p.cores for p in points) < len(cpus)):
+                return None  # "auto" plans only when every backend is cached: else it would never measure one
+            try:
+                plans.append((one, plan_from_profile(points, len(cpus), slo_ms)))
+            except NoFeasibleLayout as exc:
+                refusals.append(exc.message)
+        if not plans:
+            return LayoutChoice(None, accepted=False, achievable_rps=0.0, reason="; ".join(refusals))
+        one, candidate = max(plans, key=lambda item: item[1].rps)
+        if backend == AUTO_BACKEND:
+            candidate = replace(candidate, layout=candidate.layout.on(one))
         return self._admit(candidate, slo_ms, rate_rps, "planned from the cached profile")
 
     def _measure(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
@@ -347,7 +355,8 @@ class InferenceSupervisor:
         from reamer.plan.placement import PlacedInstance
 
         return {name: [PlacedInstance(cpus=tuple(i["cpus"]), threads=i["threads"], batch=i["max_batch"],
-                                      on_training=i.get("on_training", False)) for i in rec.instances]
+                                      on_training=i.get("on_training", False), streams=int(i.get("streams", 1)))
+                       for i in rec.instances]
                 for name, rec in self.records.items() if rec.instances}
 
     def replan(self, idle_cpus: list[int], training_cpus: Iterable[int]) -> dict[str, str]:
@@ -396,8 +405,11 @@ class InferenceSupervisor:
         return changes
 
     def _instance_doc(self, rec: InferenceRecord, placed) -> dict[str, Any]:
-        return {"cpus": sorted(int(c) for c in placed.cpus), "threads": int(placed.threads),
-                "max_batch": int(placed.batch or DEFAULT_BATCH), "on_training": bool(placed.on_training)}
+        doc = {"cpus": sorted(int(c) for c in placed.cpus), "threads": int(placed.threads),
+               "max_batch": int(placed.batch or DEFAULT_BATCH), "on_training": bool(placed.on_training)}
+        if placed.streams > 1:
+            doc["streams"] = int(placed.streams)
+        return doc
 
     @staticmethod
     def _cpus_text(rec: InferenceRecord) -> str:
@@ -407,7 +419,8 @@ class InferenceSupervisor:
 
     def build_spec(self, rec: InferenceRecord) -> JobSpec:
         instances = [InstanceSpec(cpus=list(i["cpus"]), threads=i["threads"], max_batch=i["max_batch"],
-                                  sched="idle" if i["on_training"] and self.offline_sched == "idle" else "other")
+                                  sched="idle" if i["on_training"] and self.offline_sched == "idle" else "other",
+                                  streams=int(i.get("streams", 1)))
                      for i in rec.instances]
         own = sorted({c for i in rec.instances if not i["on_training"] for c in i["cpus"]})
         frontdoor = self.reserved or own or sorted({c for i in rec.instances for c in i["cpus"]})
@@ -652,15 +665,16 @@ def validate_request(req: dict[str, Any], default_backend: str) -> InferenceReco
                              "build one with `reamer models build tiny --out FILE` or copy the ONNX file here")
     from reamer.serve.spec import canonical_backend
 
-    backend = canonical_backend(req.get("backend") or default_backend) or req.get("backend")
-    if backend not in ("onnxruntime", "openvino"):
-        raise InvalidRequest(f"backend {backend!r} is unknown", "use onnxruntime or openvino")
+    asked = req.get("backend") or default_backend
+    backend = AUTO_BACKEND if asked == AUTO_BACKEND else canonical_backend(asked) or asked
+    if backend not in ("onnxruntime", "openvino", AUTO_BACKEND):
+        raise InvalidRequest(f"backend {backend!r} is unknown", "use onnxruntime, openvino or auto")
     layout = req.get("layout")
     if layout:
         from reamer.plan.layout import format_layout, parse_layout
 
         try:
-            layout = format_layout(parse_layout(layout))
+            parsed = parse_layout(layout)
         except ValueError as exc:
             raise InvalidRequest(f"layout {req['layout']!r} is invalid: {exc}",
                                  'write it like "2x1:b4" (instances x cores : batch) or "2x1:b4+1x2:b8"') from None
@@ -694,6 +708,19 @@ def _checked_traffic(req: dict[str, Any], model: Path) -> tuple[dict[str, list[i
     input_data = req.get("input_data")
     try:
         shapes = shapes_from_doc(req.get("shapes"))
+        if parsed.backend and req.get("backend") and backend not in (AUTO_BACKEND, parsed.backend):
+            raise InvalidRequest(f"layout {req['layout']!r} runs on {parsed.backend}, the request asks for {backend}",
+                                 f"drop backend, or the layout's @{parsed.backend}, or make them agree")
+        if parsed.backend:
+            backend = parsed.backend
+        elif backend == AUTO_BACKEND:
+            backend = first_backend()
+        if backend != "openvino" and any(s.streams > 1 for s in parsed.instances):
+            raise InvalidRequest(f"layout {req['layout']!r} has streams, which only openvino runs",
+                                 "add @openvino to the layout, or drop the sNN streams")
+        layout = format_layout(parsed.on(backend))  # the record's layout names its backend
+    if backend == AUTO_BACKEND and req["kind"] != "online":
+        backend = first_backend()  # only an online deploy searches a layout
         if input_data is not None:
             if not Path(input_data).is_absolute():
                 raise InvalidRequest(f"input_data {input_data!r} is relative; the agent cannot know your directory",
@@ -758,7 +785,20 @@ def client_url(bind_address: str, port: int) -> str:
 
 
 def apply_choice(rec: InferenceRecord, choice: LayoutChoice | None, cpus: list[int]) -> None:
-    """Use the chooser's layout, or refuse admission with the achievable rate."""
+    """Use the chooser's layout, or refuse admission with the achievable rate. The record takes the
+    layout's backend and its layout names it; "auto" with no layout chosen becomes `first_backend`."""
+    try:
+        _apply_choice(rec, choice, cpus)
+    finally:
+        if rec.backend == AUTO_BACKEND:
+            rec.backend = first_backend()
+        if rec.layout:
+            from reamer.plan.layout import format_layout, parse_layout
+
+            rec.layout = format_layout(parse_layout(rec.layout).on(rec.backend))
+
+
+def _apply_choice(rec: InferenceRecord, choice: LayoutChoice | None, cpus: list[int]) -> None:
     if choice is None:
         return
     if not choice.accepted:
@@ -770,4 +810,23 @@ def apply_choice(rec: InferenceRecord, choice: LayoutChoice | None, cpus: list[i
             "lower --rate, relax --slo-ms, or free cores (detach training / remove other online jobs)",
             achievable_rps=choice.achievable_rps, layout=choice.layout)
     if choice.layout:
-        rec.layout = choice.layout
+        from reamer.plan.layout import format_layout, parse_layout
+
+        chosen = parse_layout(choice.layout)
+        rec.backend = chosen.backend or rec.backend
+        rec.layout = format_layout(chosen.on(rec.backend if rec.backend != AUTO_BACKEND else None))
+AUTO_BACKEND = "auto"  # the backend is a search dimension: the chosen layout names it
+
+
+def installed_backends() -> list[str]:
+    """The backends whose runtime is importable here, in reamer's order."""
+    import importlib.util
+
+    return [b for b in ("onnxruntime", "openvino") if importlib.util.find_spec(b) is not None]
+
+
+def first_backend() -> str:
+    """The backend "auto" means where nothing is searched: the first installed, in reamer's order."""
+    return next(iter(installed_backends()), "onnxruntime")
+
+

@@ -26,7 +26,7 @@ from reamer.agent.memory_guard import InferenceMemoryGuard
 from reamer.agent.policy import (AGENT, Caller, SecurityRules, check_cgroup, check_job_owner, check_priority,
                                  check_processes)
 from reamer.agent.store import Store
-from reamer.agent.training import PinState, RtThrottlingDisabled, TrainingPinner, job_processes
+from reamer.agent.training import Placement, PinState, RtThrottlingDisabled, TrainingPinner, job_processes
 from reamer.host.cgroups import CgroupDriver, detect_driver
 from reamer.host.errors import HostError, ReamerError
 from reamer.host.identity import pid_max, process_facts
@@ -78,6 +78,7 @@ class Agent:
         self.training: dict[str, dict[str, Any]] = {}
         self._pin_state: dict[str, PinState] = {}
         self.rt_disabled = False
+        self._conflicts: dict[str, str] = {}  # training job -> another manager's cpuset change, as reported
 
     # ------------------------------------------------------------------------------- lifecycle
 
@@ -108,11 +109,22 @@ class Agent:
                     self.gpu.close()
                 except Exception:  # noqa: BLE001 - shutting down anyway
                     log.exception("closing the GPU manager failed")
-            self.events.emit("agent_stopped", "agent stopped; training stays pinned, inference keeps running")
+            released = 0
+            try:
+                released = self.pinner.release_budgets()  # v1 RT group scheduling only: held only while running
+            except ReamerError as exc:
+                log.error("giving back the training RT budget: %s", exc)
+            self.events.emit("agent_stopped", "agent stopped; training stays pinned, inference keeps running"
+                             + (f"; RT budget of {released} training job(s) given back: their threads run "
+                                "SCHED_OTHER until the agent starts again" if released else ""))
             self.store.close()
 
     def _restore(self) -> None:
         for name, doc in self.store.jobs("training").items():
+            self._restore_pinning(name, doc)
+            if doc.get("state") == "attaching":  # the agent died mid-attach: undo it from its record
+                self._undo_unfinished_attach(name, doc)
+                continue
             try:
                 self.cores.restore(name, doc["cpus"])
             except AllocationError as exc:
@@ -124,6 +136,26 @@ class Agent:
         for name, doc in self.store.jobs("inference").items():
             self.supervisor.adopt(InferenceRecord.from_doc(doc))
         self._reconcile_training()
+
+    def _save_changes(self, doc: dict[str, Any]) -> Callable[[list[dict[str, Any]]], None]:
+        def save(changes: list[dict[str, Any]]) -> None:
+            doc["changes"] = changes
+            self.store.put_job("training", doc["name"], doc)
+        return save
+
+    def _restore_pinning(self, name: str, doc: dict[str, Any]) -> None:
+        placement = doc.get("placement") or {"mode": "own", "cpuset_path": self.pinner.own_path(name)}
+        self.pinner.placements[name] = Placement.from_doc(placement)
+        self.pinner.new_log(name, self._save_changes(doc), doc.get("changes") or [])
+
+    def _undo_unfinished_attach(self, name: str, doc: dict[str, Any]) -> None:
+        try:
+            self.pinner.detach(name)
+        except ReamerError as exc:
+            log.error("undoing the unfinished attach of %s: %s", name, exc)
+        self.store.delete_job("training", name)
+        self.events.emit("training_attach_undone", f"{name}: the agent stopped while attaching it; every change "
+                         "it had made is undone", job=name, data={"changes": len(doc.get("changes") or [])})
 
     def _start_gpu(self) -> None:
         if self.gpu is not None:  # injected (tests, embedding): the agent owns it like its own, stop() closes it
@@ -217,6 +249,7 @@ class Agent:
                 log.warning("reconcile of training job %s failed: %s", name, exc)
                 continue
             self._pin_state[name] = state
+            self._note_conflict(name, doc, state.conflict)
             if not state.alive:
                 ended.append(name)
             elif state.fixed:
@@ -224,6 +257,19 @@ class Agent:
                                  f"{name}: made {state.fixed} new thread(s) SCHED_RR", job=name,
                                  data={"fixed": state.fixed})
         return ended
+
+    def _note_conflict(self, name: str, doc: dict[str, Any], conflict: str) -> None:
+        """Report another manager's cpuset once per change it makes (reamer does not fight it)."""
+        if conflict == self._conflicts.get(name, ""):
+            return
+        self._conflicts[name] = conflict
+        doc["conflict"] = conflict
+        self.store.put_job("training", name, doc)
+        if conflict:
+            self.events.emit("training_cpuset_conflict", f"{name}: {conflict}", job=name, data={"cpus": doc["cpus"]})
+        else:
+            self.events.emit("training_cpuset_conflict_resolved", f"{name}: its cpuset is the job's cpus again",
+                             job=name)
 
     def _replan(self) -> dict[str, str]:
         return self.supervisor.replan(self.cores.idle_cpus(), self.cores.training_cpus())
@@ -290,11 +336,13 @@ class Agent:
             if taken & set(pids):
                 raise Conflict(f"process(es) {sorted(taken & set(pids))} already belong to another training job",
                                "detach that job first")
+            self.pinner.check_rt_possible()
+            placement = self.pinner.place(name, source, pids, ref)
             cores = req.get("cores") or wanted or 1
             cpus = list(self.cores.allocate(name, cores))
             doc = {"name": name, "pids": pids, "cpus": cpus, "priority": priority, "source": source,
-                   "source_ref": ref, "state": "attaching", "created_at": time.time(), "original": {},
-                   "demoted": False, "owner_uid": caller.uid}
+                   "source_ref": ref, "state": "attaching", "created_at": time.time(),
+                   "placement": placement.to_doc(), "changes": [], "demoted": False, "owner_uid": caller.uid}
             try:
                 self.store.put_job("training", name, doc)
             except ReamerError:
@@ -308,11 +356,12 @@ class Agent:
             log.warning("some inference processes had not left cpus %s in time; pinning training anyway", cpus)
         with self._lock:
             try:
-                original, state = self.pinner.attach(name, pids, cpus, priority)
+                state = self.pinner.attach(name, placement, pids, cpus, priority,
+                                           self.pinner.new_log(name, self._save_changes(doc)))
             except BaseException:
                 self._rollback_attach(name)
                 raise
-            doc.update(state="running", original=original)
+            doc.update(state="running")
             self.store.put_job("training", name, doc)
             self._pin_state[name] = state
             self.events.emit("training_attached",
@@ -321,10 +370,7 @@ class Agent:
             return self._training_view(name)
 
     def _rollback_attach(self, name: str) -> None:
-        try:
-            self.pinner.detach(name, {})
-        except ReamerError as exc:
-            log.error("rollback of %s: %s", name, exc)
+        # pinner.attach has undone its changes already; this forgets the job
         self.training.pop(name, None)
         self._pin_state.pop(name, None)
         self.cores.release(name)
@@ -338,9 +384,10 @@ class Agent:
             if doc.get("state") == "attaching":
                 raise Conflict(f"training job {name!r} is still being attached", "retry in a few seconds")
             view = self._training_view(name)
+            demoted = self.pinner.detach(name)  # undoes its record step by step: a crash meanwhile resumes it
             self.store.delete_job("training", name)
-            demoted = self.pinner.detach(name, doc.get("original", {}))
             self.training.pop(name)
+            self._conflicts.pop(name, None)
             self._pin_state.pop(name, None)
             self.cores.release(name)
             self.events.emit("training_detached", f"{name}: {demoted} thread(s) back to SCHED_OTHER, "
@@ -351,8 +398,12 @@ class Agent:
 
     def _end_training(self, name: str, reason: str) -> None:
         doc = self.training.pop(name)
+        try:
+            self.pinner.forget(name)
+        except ReamerError as exc:
+            log.warning("cleaning up after training job %s: %s", name, exc)
         self.store.delete_job("training", name)
-        self.pinner.remove_job_cgroup(name)
+        self._conflicts.pop(name, None)
         self._pin_state.pop(name, None)
         self.cores.release(name)
         self.events.emit("training_ended", f"{name}: {reason}; cpus {doc['cpus']} go back to inference",
@@ -372,6 +423,8 @@ class Agent:
             message = "demoted: RT throttling is off (sysctl -w kernel.sched_rt_runtime_us=950000)"
         elif doc.get("demoted"):
             message = "demoted by demote-all: detach and attach again to restore SCHED_RR"
+        if self._conflicts.get(name):
+            message = (message + "; " if message else "") + "conflict: " + self._conflicts[name]
         return {"name": name, "cpus": list(doc["cpus"]), "pids": state.pids if state else list(doc["pids"]),
                 "threads_rr": state.threads_rr if state else 0, "threads": state.threads if state else 0,
                 "priority": doc["priority"], "source": doc["source"], "state": "running",

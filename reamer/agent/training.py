@@ -1,27 +1,44 @@
-"""Pin training jobs: a cpuset cgroup per job, one shared cpu cgroup with an RT budget, SCHED_RR threads.
+"""Pin training jobs where they live: the job's own cgroup narrowed to its cores, its threads SCHED_RR.
 
-Layout (cgroup v1 paths, relative to each controller's root):
-  cpu:    <name>/training        cpu.rt_runtime_us = budget (the parent <name> gets at least as much)
-  cpuset: <name>/train-<job>     cpuset.cpus = the job's cores
-Children and new threads inherit both cgroups, so the job's cpuset cgroup is the list of its tasks;
-the reconcile pass makes any task found there that is not SCHED_RR at the job's priority RR again.
+Where a job is pinned (its Placement):
+  in-place  a container or a cgroup: the cpuset of its own cgroup is narrowed (through systemd's
+            AllowedCPUs= where systemd owns that cgroup); no process changes cgroup.
+  scope     processes given by pid on a systemd host with cgroup v2: a transient scope of their own,
+            reamer.slice/reamer-train-<job>.scope, with AllowedCPUs= (the shell they came from stays as it was).
+  own       processes given by pid elsewhere (cgroup v1 trees, no systemd): reamer's own cgroup
+            <name>/train-<job> in the cpuset (and, for the RT budget, cpu) hierarchy.
+Every change goes through one ChangeLog per job (reamer/host/changes.py), saved in the job's record before
+it is made; detach, a failed attach and a restarted agent undo it from there.
+
+The RT budget (cgroup v1 with RT group scheduling only): a job whose cpu cgroup is not the root needs
+cpu.rt_runtime_us there for SCHED_RR. It is reserved when the job attaches, the config's rt_runtime_us is
+the cap for all jobs together (each gets cap / jobs), and it is given back when the job detaches and when
+the agent stops cleanly (its threads then run SCHED_OTHER until the agent is back).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Iterable
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
 
 import psutil
 
+from reamer.host import cgroups
 from reamer.host.cgroups import CgroupDriver
+from reamer.host.changes import ChangeLog
+from reamer.host.container import container_cgroup
+from reamer.host.cpulist import format_cpulist
 from reamer.host.errors import HostError
+from reamer.host.probe import kernel_config_option
 from reamer.host.sched import ThreadGone, policy_of, rt_throttling, set_other, set_rr
+from reamer.host.systemd import SLICE, Systemd, systemd_booted, unit_of_cgroup
 
 log = logging.getLogger("reamer.training")
 
 CPU = "cpu"
 CPUSET = "cpuset"
+IN_PLACE, SCOPE, OWN = "in-place", "scope", "own"
 
 
 class RtThrottlingDisabled(HostError):
@@ -32,6 +49,32 @@ class RtThrottlingDisabled(HostError):
             "turn throttling back on: sysctl -w kernel.sched_rt_runtime_us=950000")
 
 
+class RtGroupSchedOnV2(HostError):
+    def __init__(self) -> None:
+        super().__init__(
+            "this kernel has RT group scheduling (CONFIG_RT_GROUP_SCHED=y) with cgroup v2: there is no "
+            "cpu.rt_runtime_us to give a job's cgroup, so its threads cannot be SCHED_RR outside the root cpu "
+            "cgroup, and reamer will not move them out of their cgroup",
+            "boot a kernel built without CONFIG_RT_GROUP_SCHED (the distributions' default), or boot with "
+            "systemd.unified_cgroup_hierarchy=0 (cgroup v1), where reamer gives each job an RT budget")
+
+
+@dataclass
+class Placement:
+    mode: str  # IN_PLACE, SCOPE or OWN
+    cpuset_path: str  # the cgroup (cpuset tree on v1) whose threads are the job's
+    cpu_path: str = ""  # v1 with RT group scheduling: the cpu cgroup that needs the budget ("": none needed)
+    unit: str | None = None  # the systemd unit that owns cpuset_path (v2)
+    own_cpu: bool = False  # v1: cpu_path is reamer's own and the processes move there
+
+    def to_doc(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> "Placement":
+        return cls(**doc)
+
+
 @dataclass
 class PinState:
     """What the pinner found (and fixed) for one job."""
@@ -40,6 +83,7 @@ class PinState:
     threads: int = 0
     threads_rr: int = 0
     fixed: int = 0  # threads made SCHED_RR in this pass
+    conflict: str = ""  # another manager changed the job's cpuset: what reamer found
 
     @property
     def alive(self) -> bool:
@@ -59,31 +103,47 @@ def job_processes(pids: Iterable[int]) -> list[int]:
     return sorted(found)
 
 
+def _common(paths: Iterable[str]) -> str:
+    split = [p.strip("/").split("/") if p.strip("/") else [] for p in paths]
+    if not split:
+        return ""
+    prefix = split[0]
+    for parts in split[1:]:
+        n = 0
+        while n < min(len(prefix), len(parts)) and prefix[n] == parts[n]:
+            n += 1
+        prefix = prefix[:n]
+    return "/".join(prefix)
+
+
 class TrainingPinner:
-    def __init__(self, driver: CgroupDriver, name: str, rt_runtime_us: int, proc_root: str = "/proc") -> None:
+    def __init__(self, driver: CgroupDriver, name: str, rt_runtime_us: int, proc_root: str = "/proc",
+                 systemd: Systemd | None = None, run_root: str = "/run") -> None:
         self.driver = driver
         self.name = name
-        self.rt_runtime_us = rt_runtime_us
+        self.rt_runtime_us = rt_runtime_us  # the cap: all jobs' budgets together
         self.proc_root = proc_root
+        if systemd is None and driver.version == 2 and systemd_booted(run_root):
+            systemd = Systemd()
+        self.systemd = systemd  # only where systemd manages cgroup v2 (AllowedCPUs= needs v2)
+        self.logs: dict[str, ChangeLog] = {}
+        self.placements: dict[str, Placement] = {}
+        self._rewrites: dict[str, int] = {}  # job -> times reamer put its cpuset back after a change
 
     # --- paths ---
 
-    @property
-    def cpu_path(self) -> str:
-        return f"{self.name}/training"
-
-    def cpuset_path(self, job: str) -> str:
+    def own_path(self, job: str) -> str:
         return f"{self.name}/train-{job}"
 
+    @staticmethod
+    def scope_unit(job: str) -> str:
+        return f"reamer-train-{job}.scope"
+
     @property
-    def uses_cpu_cgroup(self) -> bool:
-        # cgroup v2 has no per-cgroup RT budget; RT tasks stay in their cpu cgroup there.
+    def rt_budgets(self) -> bool:
         return self.driver.version == 1 and self.driver.rt_group_sched
 
-    def _controllers(self) -> tuple[str, ...]:
-        return (CPUSET, CPU) if self.uses_cpu_cgroup else (CPUSET,)
-
-    # --- lifecycle ---
+    # --- checks ---
 
     def rt_allowed(self) -> bool:
         return rt_throttling(self.proc_root)[0] != -1
@@ -92,86 +152,214 @@ class TrainingPinner:
         if not self.rt_allowed():
             raise RtThrottlingDisabled()
 
+    def check_rt_possible(self) -> None:
+        self.check_rt_throttling()
+        if self.driver.version == 2 and kernel_config_option("CONFIG_RT_GROUP_SCHED", self.proc_root):
+            raise RtGroupSchedOnV2()
+
     def setup(self) -> None:
-        """Create the shared cgroups and the RT budget; refuses when RT throttling is off."""
+        """An idle agent holds nothing: no cgroups, no RT budget. Refuses when RT throttling is off."""
         self.check_rt_throttling()
-        existed = self.driver.exists(self.name)
-        self.driver.create(self.name, controllers=(CPUSET,) if not self.uses_cpu_cgroup else (CPU, CPUSET))
-        if self.uses_cpu_cgroup:
-            self.driver.create(self.cpu_path, controllers=(CPU,))
-            if (self.driver.get_rt_runtime(self.cpu_path) or 0) != self.rt_runtime_us:
-                try:
-                    self.driver.set_rt_runtime(self.cpu_path, self.rt_runtime_us)
-                except HostError as exc:
-                    if not existed:  # leave no empty cgroups behind
-                        try:
-                            self.driver.remove(self.name, recursive=True)
-                        except HostError:
-                            pass
-                    raise HostError(f"cannot give the training cgroup its real-time budget: {exc.message}",
-                                    f"lower training.rt_runtime_us in the config (now {self.rt_runtime_us}); "
-                                    f"or: {exc.fix}") from None
 
-    def teardown(self) -> None:
-        """Remove the shared cgroups (only when no job cgroup is left); used by tests and `reamer` uninstall."""
-        if self.uses_cpu_cgroup and self.driver.exists(self.cpu_path):
-            if self.driver.tasks(self.cpu_path, CPU):
-                raise HostError(f"cpu cgroup {self.cpu_path} still holds tasks", "detach every training job first")
-            self.driver.set_rt_runtime(self.name, 0)
-        if self.driver.exists(self.name):
-            self.driver.remove(self.name, recursive=True)
+    # --- where a job is pinned ---
 
-    # --- jobs ---
-
-    def attach(self, job: str, pids: list[int], cpus: list[int], priority: int) -> tuple[dict[str, dict[str, str]], PinState]:
-        """Move the job's processes into its cgroups, then make every thread SCHED_RR.
-
-        Returns the original cgroups of each process (pid as str -> controller -> path) for detach."""
-        self.check_rt_throttling()
+    def place(self, job: str, source: str, pids: list[int], ref: str = "") -> Placement:
         procs = job_processes(pids)
         if not procs:
             raise HostError(f"none of the processes {pids} of training job {job!r} exist",
                             "give the pids of running training processes (see `ps -ef`)")
-        path = self.cpuset_path(job)
-        self.driver.create(path, controllers=(CPUSET,))
-        self.driver.set_cpus(path, cpus)
-        original: dict[str, dict[str, str]] = {}
+        homes = []
         for pid in procs:
             try:
-                groups = self.driver.cgroup_of(pid)
-                original[str(pid)] = {c: groups.get(c, "") for c in (CPU, CPUSET)}
-                self._move_in(job, pid)
+                homes.append(self.driver.cgroup_of(pid))
             except ThreadGone:
                 continue
-        return original, self.reconcile(job, cpus, priority)
 
-    def _move_in(self, job: str, pid: int) -> None:
-        self.driver.add_process(self.cpuset_path(job), pid, controllers=(CPUSET,))
-        if self.uses_cpu_cgroup:
-            self.driver.add_process(self.cpu_path, pid, controllers=(CPU,))
+        def lives_in(controller: str) -> str:
+            paths = [h.get(controller, "") for h in homes]
+            if source == "container":
+                paths = [container_cgroup(p) or p for p in paths]
+            if source == "cgroup" and self.driver.version == 2:
+                return ref
+            return _common(paths)
 
-    def reconcile(self, job: str, cpus: list[int], priority: int, make_rr: bool = True) -> PinState:
-        """Repair drift for one job: cpuset changed, processes outside the cpu cgroup, threads not RR."""
-        path = self.cpuset_path(job)
+        in_place = source in ("container", "cgroup")
+        if self.driver.version == 2:
+            if in_place:
+                path = lives_in("unified")
+                if not path:
+                    raise HostError(f"training job {job!r} lives in the root cgroup", "give its own cgroup or its pids")
+                unit = unit_of_cgroup(path) if self.systemd is not None else None
+                return Placement(IN_PLACE, path, unit=unit)
+            if self.systemd is not None:
+                return Placement(SCOPE, f"{SLICE}/{self.scope_unit(job)}", unit=self.scope_unit(job))
+            return Placement(OWN, self.own_path(job))
+        cpuset_home = lives_in(CPUSET) if in_place else ""
+        placement = Placement(IN_PLACE if cpuset_home else OWN, cpuset_home or self.own_path(job))
+        if self.rt_budgets:
+            cpu_home = lives_in(CPU)
+            if in_place and cpu_home:
+                placement.cpu_path = cpu_home
+            elif any(h.get(CPU, "") for h in homes):
+                placement.cpu_path, placement.own_cpu = self.own_path(job), True
+        return placement
+
+    # --- jobs ---
+
+    def new_log(self, job: str, save: Callable[[list[dict[str, Any]]], None],
+                changes: list[dict[str, Any]] | None = None) -> ChangeLog:
+        change_log = ChangeLog(self.driver, save, self.systemd, changes,
+                               ancestor_original=lambda path, job=job: self._ancestor_original(path, job))
+        self.logs[job] = change_log
+        return change_log
+
+    def _ancestor_original(self, path: str, asking: str) -> int | None:
+        for job, change_log in self.logs.items():
+            for change in change_log.changes:
+                if change.kind == "rt-ancestor" and change.target == path and job != asking:
+                    return int(change.before or 0)
+        return None
+
+    def budget_share(self, jobs_with_budget: int) -> int:
+        return self.rt_runtime_us // max(1, jobs_with_budget)
+
+    def needs_budget(self, job: str) -> bool:
+        placement = self.placements.get(job)
+        return bool(self.rt_budgets and placement is not None and placement.cpu_path)
+
+    def attach(self, job: str, placement: Placement, pids: list[int], cpus: list[int], priority: int,
+               change_log: ChangeLog) -> PinState:
+        """Pin the job; on any failure every change made so far is undone and the error raised."""
+        self.check_rt_possible()
+        self.placements[job] = placement
+        try:
+            if self.needs_budget(job):
+                self._share_budget(extra=job)
+            self._pin(job, placement, pids, cpus, change_log)
+            return self.reconcile(job, cpus, priority)
+        except BaseException:
+            self.demote(job)
+            problems = change_log.undo()
+            if problems:
+                log.error("undo of the failed attach of %s left: %s", job, "; ".join(problems))
+            self.placements.pop(job, None)
+            self.logs.pop(job, None)
+            raise
+
+    def _pin(self, job: str, placement: Placement, pids: list[int], cpus: list[int], change_log: ChangeLog) -> None:
+        procs = job_processes(pids)
+        if placement.mode == IN_PLACE:
+            if placement.unit is not None:
+                change_log.set_unit_cpus(placement.unit, placement.cpuset_path, cpus)
+            else:
+                if self.driver.version == 2:
+                    change_log.enable_cpuset_controller(placement.cpuset_path)
+                change_log.set_cpuset(placement.cpuset_path, cpus)
+            effective = cgroups.read_cpuset_effective(self.driver, placement.cpuset_path)
+            if sorted(effective) != sorted(cpus):
+                raise HostError(
+                    f"cgroup {placement.cpuset_path!r} runs on cpus {format_cpulist(effective)}, not the job's "
+                    f"{format_cpulist(cpus)}: an ancestor's cpuset leaves out some of them",
+                    "widen that ancestor's cpuset (or the container's --cpuset-cpus), or reserve those cpus for "
+                    "something else in reamer's config")
+        elif placement.mode == SCOPE:
+            change_log.start_scope(placement.unit or self.scope_unit(job), placement.cpuset_path, procs, cpus,
+                                   f"reamer training job {job}")
+        else:
+            change_log.make_cgroup(placement.cpuset_path, CPUSET)
+            self.driver.set_cpus(placement.cpuset_path, cpus)
+            change_log.move(placement.cpuset_path, CPUSET, procs)
+        if placement.own_cpu:
+            change_log.make_cgroup(placement.cpu_path, CPU)
+        if self.needs_budget(job):
+            self._reserve(job, change_log, self.budget_share(self._budget_jobs()))
+        if placement.own_cpu:
+            change_log.move(placement.cpu_path, CPU, procs)
+
+    # --- RT budget ---
+
+    def _budget_jobs(self) -> int:
+        return sum(1 for job in self.placements if self.needs_budget(job))
+
+    def _reserve(self, job: str, change_log: ChangeLog, us: int) -> None:
+        path = self.placements[job].cpu_path
+        try:
+            change_log.set_rt(path, us)
+        except HostError as error:
+            holders = cgroups.rt_holders(self.driver, path)
+            named = ", ".join(f"{p} ({b} us)" for p, b in holders) or "none found"
+            raise HostError(
+                f"cannot give training job {job!r} (cpu cgroup {path!r}) a real-time budget of {us} us: "
+                f"{error.message}. Cgroups holding the machine's RT budget: {named}",
+                f"lower training.rt_runtime_us in the config (now {self.rt_runtime_us}), or free budget held by "
+                "those cgroups (echo 0 > /sys/fs/cgroup/cpu/<cgroup>/cpu.rt_runtime_us once they run no RT threads)"
+            ) from None
+
+    def _share_budget(self, extra: str | None = None) -> None:
+        """Resize every job's budget to cap / jobs (shrinking first, so the new share fits)."""
+        share = self.budget_share(self._budget_jobs())
+        for job, change_log in self.logs.items():
+            if job == extra or not self.needs_budget(job):
+                continue
+            current = self.driver.get_rt_runtime(self.placements[job].cpu_path) or 0
+            if current > share:
+                change_log.set_rt(self.placements[job].cpu_path, share)
+        if extra is None:
+            for job, change_log in self.logs.items():
+                if self.needs_budget(job):
+                    try:
+                        change_log.set_rt(self.placements[job].cpu_path, share)
+                    except HostError as error:  # someone took the budget meanwhile: keep the smaller share
+                        log.warning("cannot grow the RT budget of %s to %d us: %s", job, share, error.message)
+
+    def release_budgets(self) -> int:
+        """Agent stopping cleanly: every job's threads to SCHED_OTHER and its RT budget given back."""
+        released = 0
+        for job, change_log in self.logs.items():
+            if not self.needs_budget(job):
+                continue
+            self.demote(job)
+            released += 1
+            change_log.set_rt(self.placements[job].cpu_path, 0)
+        return released
+
+    # --- reconcile ---
+
+    def job_tasks(self, job: str) -> list[int]:
+        placement = self.placements.get(job)
+        if placement is None:
+            return []
+        return cgroups.subtree_tasks(self.driver, placement.cpuset_path)
+
+    def job_pids(self, job: str) -> list[int]:
+        placement = self.placements.get(job)
+        if placement is None:
+            return []
+        return cgroups.subtree_processes(self.driver, placement.cpuset_path)
+
+    def reconcile(self, job: str, cpus: list[int], priority: int, make_rr: bool = True,
+                  owner_uid: int = 0) -> PinState:
+        """Make every thread of the job SCHED_RR; report (not fight) another manager's cpuset.
+        A job attached by a user other than root only promotes threads that user owns."""
+        placement = self.placements.get(job)
         state = PinState()
-        if not self.driver.exists(path):
+        if placement is None or not self.driver.exists(placement.cpuset_path):
             return state
-        if sorted(self.driver.get_cpus(path)) != sorted(cpus):
-            log.warning("cpuset of %s drifted; restoring %s", path, cpus)
-            self.driver.set_cpus(path, cpus)
-        state.pids = self.driver.processes(path, CPUSET)
-        if self.uses_cpu_cgroup:
-            in_cpu = set(self.driver.processes(self.cpu_path, CPU))
-            for pid in state.pids:
+        state.conflict = self._check_cpuset(job, placement, cpus)
+        if self.needs_budget(job) and make_rr and (self.driver.get_rt_runtime(placement.cpu_path) or 0) == 0:
+            self._reserve(job, self.logs[job], self.budget_share(self._budget_jobs()))  # after a clean stop
+        if placement.own_cpu:
+            in_cpu = set(self.driver.processes(placement.cpu_path, CPU))
+            for pid in self.driver.processes(placement.cpuset_path, CPUSET):
                 if pid not in in_cpu:
                     try:
-                        self.driver.add_process(self.cpu_path, pid, controllers=(CPU,))
+                        self.driver.add_process(placement.cpu_path, pid, controllers=(CPU,))
                     except ThreadGone:
                         pass
-        for tid in self.driver.tasks(path, CPUSET):
+        for tid in self.job_tasks(job):
             try:
                 policy, prio = policy_of(tid)
-                if make_rr and (policy != "rr" or prio != priority):
+                if make_rr and (policy != "rr" or prio != priority) and _owned_by(tid, owner_uid):
                     set_rr(tid, priority)
                     state.fixed += 1
                     policy = "rr"
@@ -179,18 +367,31 @@ class TrainingPinner:
                 state.threads_rr += policy == "rr"
             except ThreadGone:
                 continue
-        state.pids = self.driver.processes(path, CPUSET)
+        state.pids = self.job_pids(job)
         return state
+
+    def _check_cpuset(self, job: str, placement: Placement, cpus: list[int]) -> str:
+        found = cgroups.parse_cpulist(cgroups.read_cpuset_raw(self.driver, placement.cpuset_path))
+        if sorted(found) == sorted(cpus):
+            return ""
+        if placement.mode == OWN and self._rewrites.get(job, 0) == 0:
+            # reamer's own cgroup: put it back once; a second change means someone manages it too
+            self._rewrites[job] = 1
+            log.warning("cpuset of %s changed to %s; restoring %s", placement.cpuset_path, found, cpus)
+            self.driver.set_cpus(placement.cpuset_path, cpus)
+            return ""
+        return (f"cpuset of {placement.cpuset_path!r} is {format_cpulist(found) or '(all)'}, not the job's "
+                f"{format_cpulist(cpus)}: another manager (kubelet's CPU manager, a runtime update, "
+                f"systemctl set-property) changed it; reamer leaves it alone")
+
+    # --- demote, detach ---
 
     def demote(self, job: str) -> int:
         """Make every thread of the job SCHED_OTHER; repeats until none is RT (threads may be born meanwhile)."""
-        path = self.cpuset_path(job)
         demoted = 0
         for _ in range(5):
-            if not self.driver.exists(path):
-                return demoted
             left = 0
-            for tid in self.driver.tasks(path, CPUSET):
+            for tid in self.job_tasks(job):
                 try:
                     if policy_of(tid)[0] in ("rr", "fifo"):
                         set_other(tid)
@@ -202,73 +403,50 @@ class TrainingPinner:
                 break
         return demoted
 
-    def detach(self, job: str, original: dict[str, dict[str, str]]) -> int:
-        """Demote first (never move an RT thread), then move processes back to where they came from."""
+    def detach(self, job: str) -> int:
+        """Demote first (never move an RT thread or drop its budget), then undo every change of the job."""
         demoted = self.demote(job)
-        path = self.cpuset_path(job)
-        if not self.driver.exists(path):
-            return demoted
-        for _ in range(5):
-            procs = self.driver.processes(path, CPUSET)
-            if not procs:
-                break
-            for pid in procs:
-                home = original.get(str(pid)) or self._home_of_parent(pid, original)
-                try:
-                    self.driver.add_process(home.get(CPUSET, ""), pid, controllers=(CPUSET,))
-                    if self.uses_cpu_cgroup:
-                        self.driver.add_process(home.get(CPU, ""), pid, controllers=(CPU,))
-                except ThreadGone:
-                    continue
-                except HostError as exc:  # the original cgroup is gone: the root always takes it
-                    log.warning("cannot move %d back to %s (%s); moving it to the root cgroup", pid, home, exc)
-                    self.driver.add_process("", pid, controllers=(CPUSET,))
-                    if self.uses_cpu_cgroup:
-                        self.driver.add_process("", pid, controllers=(CPU,))
-        self.remove_job_cgroup(job)
+        change_log = self.logs.pop(job, None)
+        if change_log is not None:
+            problems = change_log.undo()
+            if problems:
+                log.warning("detach of %s: %s", job, "; ".join(problems))
+        self.placements.pop(job, None)
+        self._rewrites.pop(job, None)
+        if self.rt_budgets and self._budget_jobs():
+            self._share_budget()
         return demoted
 
-    def _home_of_parent(self, pid: int, original: dict[str, dict[str, str]]) -> dict[str, str]:
-        try:
-            for parent in psutil.Process(pid).parents():
-                if str(parent.pid) in original:
-                    return original[str(parent.pid)]
-        except psutil.Error:
-            pass
-        return {CPU: "", CPUSET: ""}
-
-    def remove_job_cgroup(self, job: str) -> None:
-        path = self.cpuset_path(job)
-        if self.driver.exists(path):
-            try:
-                self.driver.remove(path)
-            except HostError as exc:
-                log.warning("could not remove %s: %s", path, exc)
+    def forget(self, job: str) -> None:
+        """The job's processes all exited: undo what is left (cpusets, budgets, reamer's own cgroups)."""
+        self.detach(job)
 
     def job_cgroups(self) -> list[str]:
-        """Job names that have a cpuset cgroup under <name> (also ones the store forgot)."""
-        return [job for job in _children_named(self.driver, self.name, "train-")]
+        """Job names that have one of reamer's own cgroups (also ones the store forgot)."""
+        base = self.driver.root / CPUSET / self.name if self.driver.version == 1 else self.driver.root / self.name
+        try:
+            own = {e.name[len("train-"):] for e in base.iterdir() if e.is_dir() and e.name.startswith("train-")}
+        except FileNotFoundError:
+            own = set()
+        return sorted(own | set(self.placements))
 
     def demote_all(self) -> int:
-        """Demote every thread in every training cgroup of this pinner (the big red button)."""
+        """Demote every thread of every job this pinner knows, and of any cgroup of its own."""
         total = 0
         for job in self.job_cgroups():
-            total += self.demote(job)
-        if self.uses_cpu_cgroup and self.driver.exists(self.cpu_path):
-            for tid in self.driver.tasks(self.cpu_path, CPU):
-                try:
-                    if policy_of(tid)[0] in ("rr", "fifo"):
-                        set_other(tid)
-                        total += 1
-                except ThreadGone:
-                    continue
+            if job not in self.placements:
+                self.placements[job] = Placement(OWN, self.own_path(job))
+                total += self.demote(job)
+                del self.placements[job]
+            else:
+                total += self.demote(job)
         return total
 
 
-def _children_named(driver: CgroupDriver, parent: str, prefix: str) -> list[str]:
-    base = driver.root / CPUSET / parent if driver.version == 1 else driver.root / parent
+def _owned_by(tid: int, uid: int) -> bool:
+    if uid == 0:
+        return True
     try:
-        return sorted(entry.name[len(prefix):] for entry in base.iterdir()
-                      if entry.is_dir() and entry.name.startswith(prefix))
-    except FileNotFoundError:
-        return []
+        return os.stat(f"/proc/{tid}").st_uid == uid
+    except OSError:
+        return False

@@ -145,9 +145,10 @@ class InferenceJobRequest(_Body):
     grpc_port: Optional[int] = Field(default=None, ge=1, le=65535)  # online: v2 gRPC port (default: a free one)
     input_dir: Optional[str] = Field(default=None, max_length=MAX_PATH)  # offline: .npy/.npz inputs
     output_dir: Optional[str] = Field(default=None, max_length=MAX_PATH)  # offline: one result file per input
-    backend: Optional[str] = Field(default=None, max_length=64)  # "onnxruntime" | "openvino"; default from config
+    # "onnxruntime" | "openvino" | "auto" (online: searched with the layout); default from config
+    backend: Optional[str] = Field(default=None, max_length=64)
     max_batch: Optional[int] = Field(default=None, ge=1, le=65536)
-    # e.g. "2x1:b4" or "2x1:b4+1x2:b8"; default: searched / all free cores
+    # e.g. "2x1:b4", "2x1:b4+1x2:b8" or "1x2s2:b4@openvino"; default: searched / all free cores
     layout: Optional[str] = Field(default=None, max_length=1024)
     # memory limit (MiB) of all the job's processes (its memory cgroup); default inference.memory_limit_mb
     memory_limit_mb: Optional[float] = Field(default=None, gt=0, le=2**30, allow_inf_nan=False)

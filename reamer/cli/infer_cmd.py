@@ -6,9 +6,10 @@ import time
 
 import click
 
-from reamer.cli.common import (BackendChoice, BadInput, CliContext, ReamerGroup, emit, field, pass_cli,
+from reamer.cli.common import (BadInput, CliContext, ReamerGroup, emit, field, pass_cli,
                                render_fields, render_table, sample_spec, traffic_options)
 from reamer.cli.node_cmd import inference_progress, render_inference_table
+from reamer.cli.search_cmd import BackendOrAuto
 from reamer.host.cpulist import format_cpulist
 from reamer.host.errors import ReamerError
 
@@ -113,7 +114,8 @@ def wait_for_job(client, name: str, kind: str, timeout_s: float | None = None, s
               help="Online: gRPC port (Open Inference Protocol, tritonclient.grpc; default: a free one).")
 @click.option("--input", "input_dir", default=None, metavar="DIR", help="Offline: directory of .npy/.npz inputs.")
 @click.option("--output", "output_dir", default=None, metavar="DIR", help="Offline: directory for results.")
-@click.option("--backend", type=BackendChoice(), default=None, help="Inference runtime (default: config).")
+@click.option("--backend", type=BackendOrAuto(), default=None,
+              help="Inference runtime; auto: the layout search picks it (default: config, auto).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest dynamic batch.")
 @click.option("--layout", default=None, metavar="SPEC", help='Instances, e.g. "2x1:b4+1x2:b8" (see `reamer search`).')
 @click.option("--bind", default=None, metavar="ADDRESS",

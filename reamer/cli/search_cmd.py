@@ -24,6 +24,14 @@ if TYPE_CHECKING:
 BACKENDS = ("onnxruntime", "openvino")
 
 
+class BackendOrAuto(BackendChoice):
+    """A backend as BackendChoice takes it, or "auto": every installed backend competes in the search."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.choices = (*self.choices, "auto")
+
+
 def register(cli: click.Group) -> None:
     cli.add_command(profile)
     cli.add_command(search)
@@ -246,7 +254,8 @@ def write_plot(path: str, data: dict, rows: list[MeasurementRow]) -> None:
 @click.option("--cores", type=click.IntRange(min=1), required=True, help="Cores the job will have.")
 @click.option("--slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
               help="p99 latency target (online); without it: maximise throughput (offline).")
-@click.option("--backend", type=BackendChoice(), default="onnxruntime", show_default=True)
+@click.option("--backend", type=BackendOrAuto(), default="auto", show_default=True,
+              help="Runtime; auto: every installed one is screened and the best layout names its backend.")
 @click.option("--exhaustive", is_flag=True, help="Measure every layout (the paper's search; slow).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=32, show_default=True,
               help="Largest batch tried (batches are powers of two up to it).")
@@ -293,7 +302,11 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
     rows, base, best = outcome.rows, outcome.baseline, outcome.best
     data = {
         "model": model if not os.path.isfile(model) else os.path.abspath(model),
-        "backend": backend,
+        "backend": outcome.backend,
+        "backends_searched": outcome.backends,
+        "screening": [{"backend": s.backend, "dropped": s.dropped, "why": s.why,
+                       "throughput_rps": {f"{c}x{b}": rps for (c, b), rps in s.throughput.items()}}
+                      for s in outcome.screens if s.throughput],
         "cores": cores,
         "cpus": format_cpulist(cpus),
         "slo_ms": slo_ms,

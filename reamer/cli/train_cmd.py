@@ -87,7 +87,8 @@ def demote_all(cli: CliContext, config_path: str | None) -> None:
 
         config = load_config(config_path)
         click.echo("agent unreachable: demoting locally", err=True)
-        result = demote_local(cgroup_root=config.cgroup_root, name=config.cgroup_name)
+        result = demote_local(cgroup_root=config.cgroup_root, name=config.cgroup_name,
+                              store_path=str(config.store_path))
         if isinstance(result, int):
             result = {"threads_demoted": result, "jobs": [], "message": "cpusets unchanged"}
         data = {"via": "local", "threads_demoted": field(result, "threads_demoted"),

@@ -597,3 +597,103 @@ def detect_driver(root: str | Path = "/sys/fs/cgroup", proc_root: str | Path = "
         f"no cgroup hierarchy found at {base}",
         "mount cgroups (cgroup2 at /sys/fs/cgroup, or the v1 cpu and cpuset controllers) and retry",
     )
+
+
+# --- exact reads and writes for the change executor (reamer/host/changes.py) ---------------------------
+
+def cpuset_dir(driver: CgroupDriver, path: str) -> Path:
+    """The directory holding `path`'s cpuset files (v1: the cpuset tree; v2: the unified tree)."""
+    rel = _relative(path)
+    return driver.root / "cpuset" / rel if driver.version == 1 else driver.root / rel
+
+
+def read_cpuset_raw(driver: CgroupDriver, path: str) -> str:
+    """cpuset.cpus exactly as it is ("" on v2 means: the parent's)."""
+    file = cpuset_dir(driver, path) / "cpuset.cpus"
+    return _read(file) if file.exists() else ""
+
+
+def read_cpuset_effective(driver: CgroupDriver, path: str) -> list[int]:
+    directory = cpuset_dir(driver, path)
+    name = "cpuset.effective_cpus" if driver.version == 1 else "cpuset.cpus.effective"
+    file = directory / name if (directory / name).exists() else directory / "cpuset.cpus"
+    return parse_cpulist(_read(file))
+
+
+def write_cpuset_raw(driver: CgroupDriver, path: str, text: str) -> None:
+    """Write cpuset.cpus verbatim; "" is written as a newline (v2: back to the parent's CPUs)."""
+    file = cpuset_dir(driver, path) / "cpuset.cpus"
+    try:
+        _write(file, text or "\n")
+    except HostError as error:
+        raise HostError(f"cannot set cpuset.cpus={text or '(empty)'} on cgroup {path!r}: {error.message}",
+                        "use CPUs inside every ancestor's cpuset.cpus (a kubelet or runtime may have narrowed one)"
+                        ) from None
+
+
+def cpuset_descendants(driver: CgroupDriver, path: str) -> list[str]:
+    """Child cgroups below `path` in the cpuset tree, deepest first."""
+    base = cpuset_dir(driver, path)
+    rel = _relative(path)
+    found = [d for d in base.rglob("*") if d.is_dir()] if base.is_dir() else []
+    found.sort(key=lambda d: -len(d.parts))
+    return [f"{rel}/{d.relative_to(base).as_posix()}".strip("/") for d in found]
+
+
+def subtree_tasks(driver: CgroupDriver, path: str, controller: str = "cpuset") -> list[int]:
+    """Every thread in `path` and its descendants (a container's runtime may nest sub-cgroups)."""
+    base = cpuset_dir(driver, path) if controller == "cpuset" or driver.version == 2 else driver.root / controller / _relative(path)
+    name = "tasks" if driver.version == 1 else "cgroup.threads"
+    found: set[int] = set()
+    if not base.is_dir():
+        return []
+    for directory in [base, *(d for d in base.rglob("*") if d.is_dir())]:
+        try:
+            found.update(_read_ids(directory / name))
+        except HostError:
+            continue  # removed meanwhile
+    return sorted(found)
+
+
+def subtree_processes(driver: CgroupDriver, path: str, controller: str = "cpuset") -> list[int]:
+    base = cpuset_dir(driver, path) if controller == "cpuset" or driver.version == 2 else driver.root / controller / _relative(path)
+    found: set[int] = set()
+    if not base.is_dir():
+        return []
+    for directory in [base, *(d for d in base.rglob("*") if d.is_dir())]:
+        try:
+            found.update(_read_ids(directory / "cgroup.procs"))
+        except HostError:
+            continue
+    return sorted(found)
+
+
+def enable_controller(driver: CgroupV2Driver, parent: str, controller: str, on: bool) -> None:
+    _write(driver.root / _relative(parent) / "cgroup.subtree_control", f"{'+' if on else '-'}{controller}")
+
+
+def controller_enabled(driver: CgroupV2Driver, parent: str, controller: str) -> bool:
+    return controller in driver._subtree_control(_relative(parent))
+
+
+def rt_holders(driver: CgroupDriver, path: str = "") -> list[tuple[str, int]]:
+    """Cgroups with a real-time budget along `path` and at the top level: (path, cpu.rt_runtime_us),
+    for telling who holds the machine's budget when reamer cannot get its share."""
+    if not driver.rt_group_sched or not isinstance(driver, CgroupV1Driver):
+        return []
+    holders: list[tuple[str, int]] = []
+    for level in ["", *_ancestors(_relative(path))]:
+        for child in driver._children("cpu", level):
+            budget = driver.get_rt_runtime(child) or 0
+            if budget > 0 and not _relative(path).startswith(child + "/") and child != _relative(path):
+                holders.append((child, budget))
+    return holders
+
+
+def rt_children_sum(driver: CgroupV1Driver, path: str) -> int:
+    return sum(driver.get_rt_runtime(child) or 0 for child in driver._children("cpu", _relative(path)))
+
+
+def write_rt_runtime(driver: CgroupV1Driver, path: str, us: int) -> None:
+    """Exactly cpu.rt_runtime_us = us on one cgroup (no levelling: the executor orders the writes)."""
+    driver._write_rt(_relative(path), us)

@@ -39,6 +39,12 @@ def _container_segment(cgroup_path: str) -> tuple[str, str] | None:
     return None
 
 
+def container_cgroup(cgroup_path: str) -> str | None:
+    """The container's own cgroup in a process's cgroup path (runtimes may nest sub-cgroups under it)."""
+    found = _container_segment(cgroup_path)
+    return found[1] if found else None
+
+
 def container_id_in(cgroup_path: str) -> str | None:
     """The full container id named by a cgroup path, or None."""
     found = _container_segment(cgroup_path)

@@ -1,10 +1,14 @@
 """Layouts: how an inference job's cores are cut into instances (cores × threads × max batch).
 
-Text form, one group per distinct shape, groups joined by ``+``::
+Text form, one group per distinct shape, groups joined by ``+``, the backend after ``@``::
 
-    2x1:b4          two instances, 1 core each (threads = cores), max batch 4
-    1x2t1:b8        one instance on 2 cores running 1 thread, max batch 8
-    2x1:b4+1x2:b8   mixed shapes
+    2x1:b4              two instances, 1 core each (threads = cores), max batch 4
+    1x2t1:b8            one instance on 2 cores running 1 thread, max batch 8
+    2x1:b4+1x2:b8       mixed shapes
+    2x1:b4@openvino     the same two instances, on OpenVINO
+    1x4s4:b8@openvino   one instance on 4 cores, 4 OpenVINO streams (1 thread each) sharing each batch
+
+A layout names at most one backend: every instance of a job runs the same runtime (see `Layout`).
 """
 from __future__ import annotations
 
@@ -15,11 +19,12 @@ from itertools import groupby
 from typing import Iterable
 
 LAYOUT_SYNTAX = (
-    "INSTANCESxCORES[tTHREADS]:bMAXBATCH, groups joined by '+', "
-    "e.g. '2x1:b4' (2 instances × 1 core, max batch 4) or '2x1:b4+1x2t2:b8'"
+    "INSTANCESxCORES[tTHREADS][sSTREAMS]:bMAXBATCH, groups joined by '+', optionally '@BACKEND' at the end, "
+    "e.g. '2x1:b4' (2 instances × 1 core, max batch 4), '2x1:b4+1x2t2:b8' or '1x2s2:b4@openvino'"
 )
+LAYOUT_BACKENDS: tuple[str, ...] = ("onnxruntime", "openvino")
 
-_GROUP = re.compile(r"^(\d{1,9})x(\d{1,9})(?:t(\d{1,9}))?:b(\d{1,9})$")
+_GROUP = re.compile(r"^(\d{1,9})x(\d{1,9})(?:t(\d{1,9}))?(?:s(\d{1,9}))?:b(\d{1,9})$")
 # No machine has more: a layout asking for more cores than this (or than `max_cores`) is refused
 # before any instance is made, so a short text cannot make the parser allocate without bound.
 MAX_LAYOUT_CORES = 8192
@@ -28,27 +33,41 @@ MAX_BATCH = 65536
 
 @dataclass(frozen=True, order=True)
 class InstanceShape:
-    """One instance: the cores it owns, the threads its runtime uses, its max batch."""
+    """One instance: the cores it owns, the threads its runtime uses, its max batch, and the streams
+    (OpenVINO's parallel inference requests, threads shared among them) that split each batch."""
 
     cores: int
     threads: int
     batch: int
+    streams: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("cores", "threads", "batch"):
+        for name in ("cores", "threads", "batch", "streams"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"instance {name} must be a positive integer, got {value!r}")
+        if self.streams > self.threads:
+            raise ValueError(f"an instance cannot run more streams ({self.streams}) than threads ({self.threads})")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A set of instances of one job; order is kept as given (see `canonical`)."""
+    """A set of instances of one job; order is kept as given (see `canonical`).
+
+    `backend`: the runtime every instance runs (None: the job's). One per layout, never mixed: a job
+    answers each request from whichever instance is free, and runtimes differ in their last bits (and
+    in what they refuse), so a client would see answers depend on the instance; each runtime also
+    loads its own copy of the weights and libraries."""
 
     instances: tuple[InstanceShape, ...]
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instances", tuple(self.instances))
+        if self.backend is not None and self.backend not in LAYOUT_BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r} in a layout; one of {', '.join(LAYOUT_BACKENDS)}")
+        if self.backend == "onnxruntime" and any(s.streams > 1 for s in self.instances):
+            raise ValueError("streams are OpenVINO's: an onnxruntime instance runs one stream")
 
     @property
     def total_cores(self) -> int:
@@ -60,12 +79,17 @@ class Layout:
 
     def canonical(self) -> "Layout":
         """The same multiset of instances, biggest first: equal layouts compare equal."""
-        return Layout(tuple(sorted(self.instances, reverse=True)))
+        return Layout(tuple(sorted(self.instances, reverse=True)), self.backend)
+
+    def on(self, backend: str | None) -> "Layout":
+        """The same instances on `backend`."""
+        return Layout(self.instances, backend)
 
     @classmethod
-    def uniform(cls, count: int, cores: int, batch: int, threads: int | None = None) -> "Layout":
+    def uniform(cls, count: int, cores: int, batch: int, threads: int | None = None, *, streams: int = 1,
+                backend: str | None = None) -> "Layout":
         """`count` identical instances (threads default to cores)."""
-        return cls(tuple(InstanceShape(cores, threads or cores, batch) for _ in range(count)))
+        return cls(tuple(InstanceShape(cores, threads or cores, batch, streams) for _ in range(count)), backend)
 
     def __str__(self) -> str:
         return format_layout(self)
@@ -83,17 +107,25 @@ def parse_layout(text: str, max_cores: int | None = None) -> Layout:
     if not isinstance(text, str) or not text.strip():
         raise _syntax_error(str(text), "it is empty")
     limit = MAX_LAYOUT_CORES if max_cores is None else min(max_cores, MAX_LAYOUT_CORES)
+    body, at, backend_text = text.partition("@")
+    backend = backend_text.strip().lower() if at else None
+    if at and backend not in LAYOUT_BACKENDS:
+        raise _syntax_error(text, f"backend {backend_text.strip()!r} is unknown (one of {', '.join(LAYOUT_BACKENDS)}; "
+                                  "one backend per layout)")
+    if not body.strip():
+        raise _syntax_error(text, "it has no instances")
     total_cores = 0
     shapes: list[InstanceShape] = []
-    for raw in text.split("+"):
+    for raw in body.split("+"):
         group = raw.strip().replace(" ", "").lower()
         match = _GROUP.match(group)
         if not match:
             raise _syntax_error(text, f"cannot read group {raw.strip()!r}")
-        count, cores, threads, batch = match.groups()
+        count, cores, threads, streams, batch = match.groups()
         count_i, cores_i, batch_i = int(count), int(cores), int(batch)
         threads_i = int(threads) if threads is not None else cores_i
-        if min(count_i, cores_i, threads_i, batch_i) < 1:
+        streams_i = int(streams) if streams is not None else 1
+        if min(count_i, cores_i, threads_i, batch_i, streams_i) < 1:
             raise _syntax_error(text, f"group {raw.strip()!r} has a zero; every number must be ≥ 1")
         total_cores += count_i * cores_i
         if total_cores > limit:
@@ -102,8 +134,13 @@ def parse_layout(text: str, max_cores: int | None = None) -> Layout:
         if threads_i > cores_i * 64 or batch_i > MAX_BATCH:
             raise ValueError(f"bad layout {text!r}: group {raw.strip()!r} has over 64 threads per core or a batch "
                              f"over {MAX_BATCH}")
-        shapes.extend(InstanceShape(cores_i, threads_i, batch_i) for _ in range(count_i))
-    return Layout(tuple(shapes))
+        if streams_i > threads_i:
+            raise _syntax_error(text, f"group {raw.strip()!r} has more streams than threads")
+        shapes.extend(InstanceShape(cores_i, threads_i, batch_i, streams_i) for _ in range(count_i))
+    try:
+        return Layout(tuple(shapes), backend)
+    except ValueError as exc:
+        raise _syntax_error(text, str(exc)) from None
 
 
 def format_layout(layout: Layout) -> str:
@@ -112,8 +149,9 @@ def format_layout(layout: Layout) -> str:
     for shape, run in groupby(layout.instances):
         count = sum(1 for _ in run)
         threads = "" if shape.threads == shape.cores else f"t{shape.threads}"
-        parts.append(f"{count}x{shape.cores}{threads}:b{shape.batch}")
-    return "+".join(parts)
+        streams = "" if shape.streams == 1 else f"s{shape.streams}"
+        parts.append(f"{count}x{shape.cores}{threads}{streams}:b{shape.batch}")
+    return "+".join(parts) + (f"@{layout.backend}" if layout.backend else "")
 
 
 @lru_cache(maxsize=None)

@@ -57,6 +57,7 @@ class PlacedInstance:
     threads: int
     batch: int
     on_training: bool = False
+    streams: int = 1
 
 
 @dataclass
@@ -136,8 +137,8 @@ def _place_online(
     available_set = set(available)
     # Unchanged shapes on CPUs that are all still free: keep the exact instances.
     if before and all(set(i.cpus) <= available_set for i in before):
-        if sorted((len(i.cpus), i.threads, i.batch) for i in before) == sorted(
-            (s.cores, s.threads, s.batch) for s in shapes
+        if sorted((len(i.cpus), i.threads, i.batch, i.streams) for i in before) == sorted(
+            (s.cores, s.threads, s.batch, s.streams) for s in shapes
         ):
             return list(before)
     own = [cpu for cpu in _cpus_in(before) if cpu in available_set][:need]
@@ -153,7 +154,8 @@ def _place_online(
     chosen.sort(key=order.__getitem__)
     placed, start = [], 0
     for shape in shapes:
-        placed.append(PlacedInstance(tuple(chosen[start : start + shape.cores]), shape.threads, shape.batch))
+        placed.append(PlacedInstance(tuple(chosen[start : start + shape.cores]), shape.threads, shape.batch,
+                                     streams=shape.streams))
         start += shape.cores
     return placed
 

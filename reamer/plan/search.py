@@ -7,6 +7,7 @@ a real host, the simulator in tests), so this module stays pure.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -601,3 +602,147 @@ def plan_from_profile(
         f"{fastest.p99_ms:.1f} ms with {fastest.cores} cores at batch {fastest.batch})",
         "raise the SLO, give the job more cores, or profile more shapes",
     )
+
+
+# --- the backend as a search dimension -------------------------------------------------------------
+
+BackendMeasureFn = Callable[[str, int, int], ProfilePoint]  # (backend, cores, batch) -> one instance alone
+
+
+@dataclass
+class BackendScreen:
+    """What the first few points said about each backend: its throughput per screening point, and
+    whether it was dropped as clearly behind (and why)."""
+
+    backend: str
+    throughput: dict[tuple[int, int], float]
+    dropped: bool = False
+    why: str = ""
+
+
+def screening_points(n_cores: int, batches: Sequence[int]) -> list[tuple[int, int]]:
+    """(cores, batch) points every backend is measured on before any is dropped: one core and all cores at
+    the smallest batch, and all cores at a middle batch (a runtime's batching shows only there)."""
+    batches = _check(n_cores, batches)
+    middle = batches[min(len(batches) - 1, 2)]
+    return list(dict.fromkeys([(1, batches[0]), (n_cores, batches[0]), (n_cores, middle)]))
+
+
+def screen_backends(measure: BackendMeasureFn, backends: Sequence[str], n_cores: int, batches: Sequence[int],
+                    drop_margin: float) -> list[BackendScreen]:
+    """Measure every backend on `screening_points`; drop one that is more than `drop_margin` behind the
+    best backend on every one of them (ahead anywhere: it stays, the layouts may use that shape)."""
+    if len(backends) < 2:
+        return [BackendScreen(b, {}) for b in backends]
+    screens = [BackendScreen(b, {pt: measure(b, *pt).throughput_rps for pt in screening_points(n_cores, batches)})
+               for b in backends]
+    for screen in screens:
+        behind = []
+        for point, rps in screen.throughput.items():
+            best = max(s.throughput[point] for s in screens)
+            behind.append(rps < best * (1.0 - drop_margin))
+        if all(behind):
+            leader = max(screens, key=lambda s: sum(s.throughput.values()))
+            screen.dropped = True
+            screen.why = ", ".join(f"{c} core(s) b{b}: {screen.throughput[(c, b)]:.1f}/s vs "
+                                   f"{leader.throughput[(c, b)]:.1f}/s" for c, b in screen.throughput)
+    return screens
+
+
+def streams_variants(layout: Layout, max_streams_per_core: int = 1) -> list[Layout]:
+    """The layout with every instance of two or more cores running one OpenVINO stream per core (what the
+    THROUGHPUT hint does on cores without hyper-threads), and the single instance over all its cores
+    doing the same at the same samples in flight; [] when the layout has nothing to split."""
+    variants = []
+    if any(s.cores > 1 for s in layout.instances):
+        variants.append(Layout(tuple(InstanceShape(s.cores, s.threads, max(s.batch, s.cores), s.cores)
+                                     for s in layout.instances), layout.backend).canonical())
+    total = layout.total_cores
+    if total > 1:
+        in_flight = sum(s.batch for s in layout.instances)
+        per_stream = max(1, in_flight // total)
+        single = Layout((InstanceShape(total, total, per_stream * total, total),), layout.backend)
+        if single not in variants:
+            variants.append(single)
+    return variants
+
+
+def count_backend_layouts(n_cores: int, batches: Sequence[int], backends: Sequence[str],
+                          streams_backends: Sequence[str] = ("openvino",)) -> int:
+    """The space the backend dimension spans: every layout on every backend, and on a backend with
+    streams every layout whose instances of two or more cores split their batch over one stream per core."""
+    plain = count_layouts(n_cores, batches)
+    all_single_core = len(set(batches)) if n_cores else 0  # layouts of 1-core instances only: nothing to split
+    return sum(plain + (plain - all_single_core if b in streams_backends else 0) for b in backends)
+
+
+def quick_search_backends(
+    measure: BackendMeasureFn,
+    n_cores: int,
+    slo_ms: float | None = None,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    verify: VerifyFn | None = None,
+    progress: ProgressFn | None = None,
+    *,
+    backends: Sequence[str] = ("onnxruntime", "openvino"),
+    streams_backends: Sequence[str] = ("openvino",),
+    drop_margin: float = 0.15,
+    **options: object,
+) -> tuple[SearchResult, list[BackendScreen]]:
+    """`quick_search` over the backend dimension: screen every backend on a few points, drop the ones
+    clearly behind, search each remaining one (its points measured once: the screening's are reused),
+    try OpenVINO streams on the best layouts of a backend that has them, and keep the measured best.
+    Every returned layout names its backend; `verify(layout)` runs `layout.backend`."""
+    batches = _check(n_cores, batches)
+    progress = progress or _no_progress
+    seen: dict[tuple[str, int, int], ProfilePoint] = {}
+    counts = {"measured": 0, "verify": 0}
+
+    def measured(backend: str, cores: int, batch: int) -> ProfilePoint:
+        key = (backend, cores, batch)
+        if key not in seen:
+            seen[key] = measure(backend, cores, batch)
+            counts["measured"] += 1
+            progress(counts["measured"], counts["measured"] + 1, f"measured {backend} 1 × {cores} cores, batch {batch}")
+        return seen[key]
+
+    screens = screen_backends(measured, backends, n_cores, batches, drop_margin)
+    kept = [s.backend for s in screens if not s.dropped]
+    results: list[SearchResult] = []
+    candidates: list[Candidate] = []
+    measurements: list[ProfilePoint] = []
+    for backend in kept:
+        asked: dict[tuple[int, int], int] = {}
+
+        def measure_one(cores: int, batch: int, backend: str = backend, asked: dict = asked) -> ProfilePoint:
+            asked[(cores, batch)] = asked.get((cores, batch), 0) + 1
+            if asked[(cores, batch)] > 1:  # the recorder asks again only to re-measure a point near the SLO
+                counts["measured"] += 1
+                return measure(backend, cores, batch)
+            return measured(backend, cores, batch)
+
+        verify_one = None if verify is None else (lambda layout, backend=backend: verify(layout.on(backend)))
+        result = quick_search(measure_one, n_cores, slo_ms, batches, verify_one, progress, **options)  # type: ignore[arg-type]
+        counts["verify"] += result.measured - sum(asked.values())
+        results.append(result)
+        candidates += [Candidate(c.layout.on(backend), c.predicted_rps, c.predicted_p99_ms, c.measured_rps,
+                                 c.measured_p99_ms) for c in result.candidates]
+        if verify is not None and backend in streams_backends and result.best is not None:
+            for layout in streams_variants(result.best.layout.on(backend)):
+                rps, p99 = verify(layout)
+                counts["verify"] += 1
+                progress(counts["measured"] + counts["verify"], counts["measured"] + counts["verify"],
+                         f"verified {layout}")
+                candidates.append(Candidate(layout, math.nan, math.nan, rps, p99))
+        measurements += result.measurements
+    feasible = sorted((c for c in candidates if c.measured_rps is not None and _meets(c.p99_ms, slo_ms)),
+                      key=lambda c: -c.rps)
+    if verify is None:
+        feasible = sorted((c for c in candidates if _meets(c.p99_ms, slo_ms)), key=lambda c: -c.rps)
+    rest = [c for c in candidates if c not in feasible]
+    dropped = [s for s in screens if s.dropped]
+    note = "; ".join([f"{s.backend} dropped after screening ({s.why})" for s in dropped]
+                     + [r.note for r in results if r.note and not feasible])
+    space = count_backend_layouts(n_cores, batches, backends, streams_backends)
+    total = counts["measured"] + counts["verify"]
+    return SearchResult(feasible[0] if feasible else None, feasible + rest, total, space, measurements, note), screens

@@ -293,3 +293,123 @@ def calibrated_models(calibration: dict, noise: float = 0.0, seed: int = 0) -> d
         if points:
             models[name] = CalibratedModel.from_profiles(name, points, gammas, noise, seed)
     return models
+
+
+# --- one model on several backends (the backend as a search dimension) ------------------------------
+
+@dataclass(frozen=True)
+class CalibratedBackends:
+    """One model on several backends, each a CalibratedModel from its own real profiles.
+
+    A layout runs on `layout.backend`. An OpenVINO instance of c cores with s streams and batch b runs
+    as s sub-instances of c/s cores at batch ⌈b/s⌉ inside one process, times the measured factor of one
+    2-stream instance against two 1-core instances on the same 2 cores (`streams_factor`, per
+    sub-instance batch; 1 where not measured): throughput × factor, p99 / factor. Each sub-instance
+    contends with the rest of the layout as a c/s-core instance would."""
+
+    name: str
+    models: dict[str, CalibratedModel]
+    streams_factor: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    @property
+    def backends(self) -> list[str]:
+        return list(self.models)
+
+    @property
+    def noise(self) -> float:
+        return next(iter(self.models.values())).noise
+
+    def with_noise(self, noise: float, seed: int = 0) -> "CalibratedBackends":
+        return replace(self, models={b: m.with_noise(noise, seed) for b, m in self.models.items()})
+
+    def profile(self, backend: str, cores: int, batch: int) -> ProfilePoint:
+        return self.models[backend].profile(cores, batch)
+
+    def _factor(self, backend: str, batch: int) -> float:
+        table = self.streams_factor.get(backend)
+        return _interpolate_log2(table, batch, hold_ends=True) if table else 1.0
+
+    def _shape(self, backend: str, shape: InstanceShape, layout_cores: int) -> tuple[float, float]:
+        """(rps, p99) of one instance running with the rest of a layout on `layout_cores` cores."""
+        model = self.models[backend]
+        if shape.streams == 1:
+            rps, p99 = model.alone(shape.cores, shape.batch)
+            s = model.slowdown(shape.cores, shape.batch, layout_cores)
+            return rps / s, p99 * s
+        sub_cores = max(1, shape.cores // shape.streams)
+        sub_batch = max(1, -(-shape.batch // shape.streams))
+        rps, p99 = model.alone(sub_cores, sub_batch)
+        s = model.slowdown(sub_cores, sub_batch, layout_cores)
+        factor = self._factor(backend, sub_batch)
+        return shape.streams * rps * factor / s, p99 * s / factor
+
+    def expected_layout(self, layout: Layout) -> tuple[float, float]:
+        backend = layout.backend or self.backends[0]
+        total, worst = 0.0, 0.0
+        for shape in layout.instances:
+            rps, p99 = self._shape(backend, shape, layout.total_cores)
+            total, worst = total + rps, max(worst, p99)
+        return total, worst
+
+    def run_layout(self, layout: Layout) -> tuple[float, float]:
+        """A measurement of `layout` together, with the noise of its backend's model."""
+        model = self.models[layout.backend or self.backends[0]]
+        rps, p99 = self.expected_layout(layout)
+        key = "layout/" + format_layout(layout.canonical())
+        repeat = model._runs.get(key, 0)
+        model._runs[key] = repeat + 1
+        jitter = model._jitter(key if repeat == 0 else f"{key}/{repeat}")
+        return rps / jitter, p99 * jitter
+
+    def best_layout(self, n_cores: int, slo_ms: float | None, batches: Sequence[int],
+                    streams_backends: Sequence[str] = ("openvino",)) -> tuple[Layout, float, float] | None:
+        """The exhaustive answer over every backend: each backend's plain layouts (one batch for all
+        instances), and on a backend with streams the layouts whose instances of 2+ cores run one stream
+        per core; noise-free and exact (a knapsack over core counts, as CalibratedModel.best_layout)."""
+        best: tuple[Layout, float, float] | None = None
+        for backend in self.backends:
+            for streams in ([False, True] if backend in streams_backends else [False]):
+                for batch in sorted(set(batches)):
+                    items = []
+                    for c in range(1, n_cores + 1):
+                        shape = InstanceShape(c, c, batch, c if streams and c > 1 else 1)
+                        rps, p99 = self._shape(backend, shape, n_cores)
+                        if slo_ms is None or p99 <= slo_ms:
+                            items.append((shape, rps))
+                    value = [0.0] + [-math.inf] * n_cores
+                    choice: list[InstanceShape | None] = [None] * (n_cores + 1)
+                    for total in range(1, n_cores + 1):
+                        for shape, v in items:
+                            if shape.cores <= total and value[total - shape.cores] + v > value[total]:
+                                value[total], choice[total] = value[total - shape.cores] + v, shape
+                    if value[n_cores] == -math.inf:
+                        continue
+                    shapes, left = [], n_cores
+                    while left:
+                        shape = choice[left]
+                        assert shape is not None
+                        shapes.append(shape)
+                        left -= shape.cores
+                    layout = Layout(tuple(shapes), backend).canonical()
+                    rps, p99 = self.expected_layout(layout)
+                    if best is None or rps > best[1]:
+                        best = (layout, rps, p99)
+        return best
+
+
+def calibrated_backends(calibration: dict, noise: float = 0.0, seed: int = 0) -> dict[str, CalibratedBackends]:
+    """CalibratedBackends per model that a bench/search_calibration.json document has on every backend
+    (the top-level models are onnxruntime's; `backends.NAME.models` the others')."""
+    per_backend = {"onnxruntime": calibrated_models(calibration, noise, seed)}
+    factors: dict[str, dict[str, dict[int, float]]] = {}
+    for backend, doc in calibration.get("backends", {}).items():
+        per_backend[backend] = calibrated_models(doc, noise, seed)
+        for name, entry in doc.get("models", {}).items():
+            table = {int(s["batch"]): float(s["factor"]) for s in entry.get("streams", [])
+                     if s.get("factor", 0) and s["factor"] > 0}
+            factors.setdefault(name, {})[backend] = table
+    names = set.intersection(*(set(m) for m in per_backend.values())) if per_backend else set()
+    # each backend's noise its own: the same shape measured on two runtimes is two measurements
+    return {name: CalibratedBackends(name, {b: replace(models[name], name=f"{name}@{b}")
+                                            for b, models in per_backend.items()},
+                                     factors.get(name, {})) for name in sorted(names)}

@@ -31,6 +31,7 @@ class Backend(ABC):
     kind: str
     model_path: str
     threads: int
+    streams: int = 1
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
 
@@ -125,7 +126,7 @@ class OnnxRuntimeBackend(Backend):
 class OpenVinoBackend(Backend):
     kind = "openvino"
 
-    def __init__(self, model_path: str, threads: int) -> None:
+    def __init__(self, model_path: str, threads: int, streams: int = 1) -> None:
         import openvino as ov
         import openvino.properties as props
         import openvino.properties.hint as hints
@@ -152,8 +153,9 @@ class OpenVinoBackend(Backend):
             props.inference_num_threads(): threads,
             props.hint.enable_cpu_pinning(): False,
             hints.inference_precision(): ov.Type.f32,
-            props.num_streams(): 1,
-            hints.performance_mode(): hints.PerformanceMode.LATENCY,
+            props.num_streams(): streams,
+            hints.performance_mode(): hints.PerformanceMode.LATENCY if streams == 1
+            else hints.PerformanceMode.THROUGHPUT,
         }
         try:
             self._compiled = core.compile_model(model, "CPU", config)
@@ -161,7 +163,9 @@ class OpenVinoBackend(Backend):
             raise BackendError(f"OpenVINO cannot compile {model_path} for CPU: {exc}",
                                "try the onnxruntime backend (--backend onnxruntime)") from None
         self._request = self._compiled.create_infer_request()
-        self.model_path, self.threads = model_path, threads
+        # one more request per further stream: a batch is split among them and they run in parallel
+        self._stream_requests = [self._request] + [self._compiled.create_infer_request() for _ in range(streams - 1)]
+        self.model_path, self.threads, self.streams = model_path, threads, streams
         self.inputs = [_ov_info(n, p) for n, p in zip(in_names, self._compiled.inputs)]
         self.outputs = [_ov_info(n, p) for n, p in zip(out_names, self._compiled.outputs)]
         self._out_ports = list(self._compiled.outputs)
@@ -171,12 +175,26 @@ class OpenVinoBackend(Backend):
         return self._compiled.get_property(name)
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        result = self._request.infer([inputs[info.name] for info in self.inputs])
-        # the request reuses its output buffers: copy before the next batch overwrites them
-        return {info.name: np.array(result[port]) for info, port in zip(self.outputs, self._out_ports)}
+        arrays = [inputs[info.name] for info in self.inputs]
+        rows = arrays[0].shape[0] if arrays and arrays[0].ndim else 1
+        if self.streams == 1 or rows < 2:
+            result = self._request.infer(arrays)
+            # the request reuses its output buffers: copy before the next batch overwrites them
+            return {info.name: np.array(result[port]) for info, port in zip(self.outputs, self._out_ports)}
+        # the batch's rows split evenly among the streams, run at once (start_async releases the GIL)
+        bounds = np.linspace(0, rows, min(self.streams, rows) + 1).astype(int)
+        used = self._stream_requests[:len(bounds) - 1]
+        for request, low, high in zip(used, bounds[:-1], bounds[1:]):
+            request.start_async([a[low:high] for a in arrays])
+        parts: list[list[np.ndarray]] = []
+        for request in used:
+            request.wait()
+            parts.append([np.array(request.get_tensor(port).data) for port in self._out_ports])
+        return {info.name: np.concatenate([p[i] for p in parts]) for i, info in enumerate(self.outputs)}
 
     def close(self) -> None:
         self._request = None
+        self._stream_requests = []
         self._compiled = None
 
 
@@ -190,18 +208,26 @@ def _ov_info(name: str, port: Any) -> TensorInfo:
     return TensorInfo(name, numpy_to_v2(port.get_element_type().to_dtype()), dims)
 
 
-def open_backend(kind: str, model_path: str | os.PathLike, threads: int) -> Backend:
-    """Load `model_path` with backend `kind` ("onnxruntime" | "openvino") using exactly `threads` threads."""
+def open_backend(kind: str, model_path: str | os.PathLike, threads: int, streams: int = 1) -> Backend:
+    """Load `model_path` with backend `kind` ("onnxruntime" | "openvino") using exactly `threads` threads;
+    OpenVINO may split them among `streams` parallel streams (each batch is split among them)."""
     if kind not in BACKENDS:
         raise BackendError(f"unknown backend {kind!r}", f"choose one of: {', '.join(BACKENDS)}")
     if not isinstance(threads, int) or threads < 1:
         raise BackendError(f"threads must be a positive integer, got {threads!r}",
                            "pass the number of cores the instance owns")
+    if not isinstance(streams, int) or not 1 <= streams <= threads:
+        raise BackendError(f"streams must be between 1 and the instance's {threads} thread(s), got {streams!r}",
+                           "give each stream at least one thread")
+    if streams > 1 and kind != "openvino":
+        raise BackendError(f"{kind} runs one stream per instance, {streams} were asked for",
+                           "use the openvino backend for streams, or more instances instead")
     path = os.fspath(model_path)
     if not os.path.isfile(path):
         raise BackendError(f"model file {path} does not exist", "build one with `reamer models build NAME --out FILE`")
-    cls = OnnxRuntimeBackend if kind == "onnxruntime" else OpenVinoBackend
-    return cls(path, threads)
+    if kind == "onnxruntime":
+        return OnnxRuntimeBackend(path, threads)
+    return OpenVinoBackend(path, threads, streams)
 
 
 def sample_inputs(backend: Backend, batch: int, rng: np.random.Generator | None = None,

@@ -20,12 +20,14 @@ from typing import Callable, Sequence
 from reamer.host.errors import ReamerError
 from reamer.plan.layout import InstanceShape, Layout, count_layouts, format_layout, parse_layout
 from reamer.plan.partition import Candidate, NoFeasibleLayout, ProfilePoint
-from reamer.plan.search import SearchResult, exhaustive_search, plan_from_profile, quick_search
+from reamer.plan.search import (BackendScreen, SearchResult, count_backend_layouts, exhaustive_search,
+                                plan_from_profile, quick_search_backends)
 from reamer.serve.samples import SampleSpec
 
 log = logging.getLogger("reamer.layout_search")
 
 ProgressFn = Callable[[int, int, str], None]
+AUTO = "auto"  # the backend is a search dimension: every installed backend competes
 
 
 class ProfileCacheUnwritable(ReamerError):
@@ -53,6 +55,7 @@ class MeasurementRow:
     p99_ms: float
     seconds: float
     cached: bool = False
+    backend: str = ""
 
 
 @dataclass
@@ -68,6 +71,10 @@ class LayoutSearchOutcome:
     from_cache: bool  # no single-instance point had to be measured
     complete: bool = True  # False: the time budget ran out; `best` is planned from the points so far
     cpus: list[int] = field(default_factory=list)
+    backend: str = ""  # the backend of `best` (of the first searched when none)
+    backends: list[str] = field(default_factory=list)  # the backends searched
+    screens: list[BackendScreen] = field(default_factory=list)  # "auto": what screening said per backend
+    points_by_backend: dict[str, list[ProfilePoint]] = field(default_factory=dict)
 
     @property
     def layouts_measured(self) -> int:
@@ -132,12 +139,14 @@ class _Runs:
     """The search's measure/verify callbacks: cached points first, every run recorded, a time budget."""
 
     def __init__(self, model_path: str, backend: str, cpus: list[int], settings: MeasureSettings,
-                 cached: Sequence[ProfilePoint], deadline: float | None, samples: SampleSpec | None = None) -> None:
+                 cached: Sequence[ProfilePoint], deadline: float | None, samples: SampleSpec | None = None,
+                 rows: list[MeasurementRow] | None = None, tag: bool = False) -> None:
         self.model_path, self.backend, self.cpus, self.settings = model_path, backend, cpus, settings
         self.samples = samples
         self.cached = {(p.cores, p.batch): p for p in cached}
         self.deadline = deadline
-        self.rows: list[MeasurementRow] = []
+        self.rows: list[MeasurementRow] = [] if rows is None else rows  # shared by the backends of one search
+        self.suffix = f"@{backend}" if tag else ""
         self.new_points: list[ProfilePoint] = []
 
     def _timeout_s(self) -> float:
@@ -159,8 +168,9 @@ class _Runs:
                                   window_s=s.window_s, max_windows=s.max_windows, timeout_s=self._timeout_s(),
                                   samples=self.samples)
             self.new_points.append(point)
-        self.rows.append(MeasurementRow("point", f"1x{cores}:b{batch}", cores, 1, str(batch), point.throughput_rps,
-                                        point.p99_ms, time.monotonic() - started, (cores, batch) in self.cached))
+        self.rows.append(MeasurementRow("point", f"1x{cores}:b{batch}{self.suffix}", cores, 1, str(batch),
+                                        point.throughput_rps, point.p99_ms, time.monotonic() - started,
+                                        (cores, batch) in self.cached, self.backend))
         return point
 
     def verify(self, layout: Layout) -> tuple[float, float]:
@@ -173,8 +183,10 @@ class _Runs:
                                   window_s=s.window_s, windows=s.verify_windows, timeout_s=timeout_s,
                                   samples=self.samples)
         batches = sorted({shape.batch for shape in layout.instances})
-        self.rows.append(MeasurementRow("layout", format_layout(layout), layout.total_cores, len(layout.instances),
-                                        "/".join(map(str, batches)), rps, p99, time.monotonic() - started))
+        label = format_layout(layout.on(self.backend if self.suffix else None))
+        self.rows.append(MeasurementRow("layout", label, layout.total_cores, len(layout.instances),
+                                        "/".join(map(str, batches)), rps, p99, time.monotonic() - started,
+                                        backend=self.backend))
         return rps, p99
 
     def points(self) -> list[ProfilePoint]:
@@ -202,6 +214,26 @@ def _plan_from_points(points: list[ProfilePoint], n_cores: int, slo_ms: float | 
     return SearchResult(best, [best] if best else [], runs, space, points, note=note)
 
 
+def installed_backends() -> list[str]:
+    """The backends whose runtime is importable here, in reamer's order of preference."""
+    import importlib.util
+
+    from reamer.serve.backends import BACKENDS
+
+    return [b for b in BACKENDS if importlib.util.find_spec(b) is not None]
+
+
+def resolve_backends(backend: str) -> list[str]:
+    """`backend` as the list the search runs: "auto" is every installed backend."""
+    if backend != AUTO:
+        return [backend]
+    found = installed_backends()
+    if not found:
+        raise ReamerError("no inference backend is installed",
+                          "install onnxruntime or openvino into reamer's environment")
+    return found
+
+
 def search_layout(
     model_path: str,
     backend: str,
@@ -218,10 +250,13 @@ def search_layout(
     cache_source: str = "layout search",
     strict_cache: bool = True,
     samples: SampleSpec | None = None,
+    drop_margin: float = 0.15,
 ) -> LayoutSearchOutcome:
     """Find the best layout for the model on all of `cpus` (one core per cpu), measured on them.
 
-    `cache_dir` None: neither read nor write cached points. `budget_s`: stop measuring once this much
+    `backend`: "onnxruntime", "openvino", or "auto" (every installed backend: screened on a few points,
+    the ones more than `drop_margin` behind dropped, the rest searched; the best layout names its
+    backend). `cache_dir` None: neither read nor write cached points. `budget_s`: stop measuring once this much
     time has passed (the run under way finishes) and plan from the points measured by then
     (`complete=False`). `samples`: the traffic's shapes and data (they are part of the cache key). Raises reamer.serve.profiler.ProfileError when a measurement fails (points
     measured before it are still cached) and, with `strict_cache`, ProfileCacheUnwritable when the
@@ -230,60 +265,120 @@ def search_layout(
     cpus = list(cpus)
     if not cpus:
         raise ValueError("a layout search needs at least one cpu")
+    backends = resolve_backends(backend)
     batches = sorted(set(batches))
     n_cores = len(cpus)
     deadline = time.monotonic() + budget_s if budget_s is not None else None
-    runs = _Runs(model_path, backend, cpus, settings, cached_points(cache_dir, model_path, backend, samples),
-                 deadline, samples)
-    space = count_layouts(n_cores, batches)
-    base_layout = Layout((InstanceShape(n_cores, n_cores, batches[-1]),))
-    complete, base = True, None
+    rows: list[MeasurementRow] = []
+    runs = {b: _Runs(model_path, b, cpus, settings, cached_points(cache_dir, model_path, b, samples), deadline,
+                     samples, rows, tag=len(backends) > 1) for b in backends}
+    space = count_backend_layouts(n_cores, batches, backends) if not exhaustive else \
+        count_layouts(n_cores, batches) * len(backends)
+    complete, base, screens = True, None, []
+
+    def verify(layout: Layout) -> tuple[float, float]:
+        return runs[layout.backend or backends[0]].verify(layout)
+
     try:
         try:
             if exhaustive:
-                result = exhaustive_search(runs.verify, n_cores, slo_ms, batches, progress, top_k=top_k)
+                per_backend = []
+                for b in backends:
+                    found = exhaustive_search(lambda layout, b=b: verify(layout.on(b)), n_cores, slo_ms, batches,
+                                              progress, top_k=top_k)
+                    per_backend.append((b, found))
+                result = _merge_exhaustive(per_backend, space)
             else:
-                result = quick_search(runs.measure, n_cores, slo_ms, batches, runs.verify, progress,
-                                      top_k=max(top_k, 5))
+                result, screens = quick_search_backends(lambda b, cores, batch: runs[b].measure(cores, batch),
+                                                        n_cores, slo_ms, batches, verify, progress,
+                                                        backends=backends, drop_margin=drop_margin,
+                                                        top_k=max(top_k, 5))
         except _BudgetSpent:
             complete = False
-            why = f"the search's time budget of {budget_s:g} s ran out after {len(runs.rows)} run(s)"
+            why = f"the search's time budget of {budget_s:g} s ran out after {len(rows)} run(s)"
             log.info("%s for %s", why, os.path.basename(model_path))
-            result = _plan_from_points(runs.points(), n_cores, slo_ms, space, len(runs.rows), why)
+            result = _plan_from_backends({b: r.points() for b, r in runs.items()}, n_cores, slo_ms, space,
+                                         len(rows), why)
             # layouts verified before the budget ran out are measured facts: they compete with the plan
             planned = {format_layout(c.layout) for c in result.candidates}
-            result.candidates += [Candidate(parse_layout(r.layout), math.nan, math.nan, r.throughput_rps, r.p99_ms)
-                                  for r in runs.rows if r.kind == "layout" and r.layout not in planned]
+            result.candidates += [Candidate(_tagged(parse_layout(r.layout), r.backend), math.nan, math.nan,
+                                            r.throughput_rps, r.p99_ms)
+                                  for r in rows if r.kind == "layout" and r.layout not in planned]
         else:
-            base = next((r for r in runs.rows if r.kind == "layout" and r.layout == format_layout(base_layout)),
-                        None)
+            leader = result.best.layout.backend if result.best is not None else None
+            base_backend = leader or backends[0]
+            base_layout = Layout((InstanceShape(n_cores, n_cores, batches[-1]),), base_backend)
+            base = next((r for r in rows if r.kind == "layout" and r.layout == _label(base_layout, len(backends) > 1)
+                         and r.backend == base_backend), None)
             if base is None:
                 if progress is not None:
-                    progress(len(runs.rows) + 1, len(runs.rows) + 1, f"baseline {format_layout(base_layout)}")
+                    progress(len(rows) + 1, len(rows) + 1, f"baseline {format_layout(base_layout)}")
                 try:
-                    runs.verify(base_layout)
-                    base = runs.rows[-1]
+                    verify(base_layout)
+                    base = rows[-1]
                 except _BudgetSpent:  # the search itself finished: only the comparison is missing
                     pass
     finally:
         if cache_dir:  # what was measured stays useful, even when the search failed half-way
-            try:
-                store_points(cache_dir, model_path, backend, runs.new_points, cache_source, samples)
-            except ProfileCacheUnwritable as exc:
-                if strict_cache:
-                    raise
-                log.warning("%s", exc)
+            for b, r in runs.items():
+                try:
+                    store_points(cache_dir, model_path, b, r.new_points, cache_source, samples)
+                except ProfileCacheUnwritable as exc:
+                    if strict_cache:
+                        raise
+                    log.warning("%s", exc)
 
     candidates = list(result.candidates)
-    if base is not None and all(format_layout(c.layout) != base.layout for c in candidates):
+    if base is not None and all(_label(c.layout, True) != _label(parse_layout(base.layout), True)
+                                or (c.layout.backend or backends[0]) != base.backend for c in candidates):
         # the baseline ran with all instances together too: it competes like any verified layout
-        point = runs.cached.get((n_cores, batches[-1])) or next(
-            (p for p in runs.new_points if (p.cores, p.batch) == (n_cores, batches[-1])), None)
+        base_runs = runs[base.backend]
+        point = base_runs.cached.get((n_cores, batches[-1])) or next(
+            (p for p in base_runs.new_points if (p.cores, p.batch) == (n_cores, batches[-1])), None)
         predicted = (point.throughput_rps, point.p99_ms) if point else (math.nan, math.nan)
+        base_layout = Layout((InstanceShape(n_cores, n_cores, batches[-1]),), base.backend)
         candidates.append(Candidate(base_layout, *predicted, base.throughput_rps, base.p99_ms))
+    if len(backends) == 1:  # a fixed backend: the layouts say nothing the job does not already say
+        candidates = [Candidate(c.layout.on(None), c.predicted_rps, c.predicted_p99_ms, c.measured_rps,
+                                c.measured_p99_ms) for c in candidates]
     candidates = _rank(candidates, slo_ms)
     best = candidates[0] if candidates and _meets(candidates[0].p99_ms, slo_ms) else None
     gain = best.rps / base.throughput_rps if best is not None and base is not None and base.throughput_rps > 0 else None
-    return LayoutSearchOutcome(result=result, best=best, candidates=candidates, rows=runs.rows, baseline=base,
-                               gain=gain, points=runs.points(), new_points=list(runs.new_points),
-                               from_cache=not runs.new_points, complete=complete, cpus=cpus)
+    chosen = (best.layout.backend if best is not None else None) or backends[0]
+    return LayoutSearchOutcome(result=result, best=best, candidates=candidates, rows=rows, baseline=base,
+                               gain=gain, points=runs[chosen].points(), new_points=list(runs[chosen].new_points),
+                               from_cache=not any(r.new_points for r in runs.values()), complete=complete, cpus=cpus,
+                               backend=chosen, backends=backends, screens=screens,
+                               points_by_backend={b: r.points() for b, r in runs.items()})
+
+
+def _tagged(layout: Layout, backend: str) -> Layout:
+    return layout if layout.backend else layout.on(backend)
+
+
+def _label(layout: Layout, tag: bool) -> str:
+    return format_layout(layout if tag else layout.on(None))
+
+
+def _merge_exhaustive(per_backend: list[tuple[str, SearchResult]], space: int) -> SearchResult:
+    candidates = [Candidate(c.layout.on(b), c.predicted_rps, c.predicted_p99_ms, c.measured_rps, c.measured_p99_ms)
+                  for b, r in per_backend for c in r.candidates]
+    candidates.sort(key=lambda c: -c.rps)
+    best = candidates[0] if candidates else None
+    notes = "; ".join(r.note for _, r in per_backend if r.note and best is None)
+    return SearchResult(best, candidates, sum(r.measured for _, r in per_backend), space, note=notes)
+
+
+def _plan_from_backends(points: dict[str, list[ProfilePoint]], n_cores: int, slo_ms: float | None, space: int,
+                        runs: int, why: str) -> SearchResult:
+    """The best planned layout over the backends' points (each tagged with its backend)."""
+    plans = [(b, _plan_from_points(p, n_cores, slo_ms, space, runs, why)) for b, p in points.items()]
+    found = [(b, r) for b, r in plans if r.best is not None]
+    if not found:
+        return plans[0][1] if plans else SearchResult(None, [], runs, space, note=why)
+    backend, result = max(found, key=lambda item: item[1].best.rps)  # type: ignore[union-attr]
+    best = result.best
+    assert best is not None
+    tagged = Candidate(best.layout.on(backend) if len(points) > 1 else best.layout, best.predicted_rps,
+                       best.predicted_p99_ms)
+    return SearchResult(tagged, [tagged], runs, space, result.measurements, note=result.note)

@@ -50,6 +50,7 @@ class WorkerConfig:
     fixed_windows: int | None = None
     seed: int = 0
     samples: dict | None = None  # samples.SampleSpec.to_doc(): the traffic's shapes and sample data
+    streams: int = 1  # OpenVINO streams sharing `threads` (each batch is split among them)
 
 
 @dataclass
@@ -214,16 +215,18 @@ def _run_workers(configs: list[WorkerConfig], timeout_s: float) -> list[WorkerRe
 def measure_point(model_path: str | os.PathLike, backend: str, cores: int, batch: int,
                   cpus: Sequence[int] | None = None, *, warmup_s: float = 1.0, window_s: float = 0.5,
                   max_windows: int = 10, stability: float = 0.10, timeout_s: float = 600.0,
-                  samples: "SampleSpec | None" = None) -> "ProfilePoint":
-    """One instance with `cores` cores (threads = cores) and batch `batch`, alone on the first `cores` of `cpus`,
-    fed by `samples` (the traffic's shapes and data; default: reamer.serve.samples' rule)."""
+                  samples: "SampleSpec | None" = None, threads: int | None = None,
+                  streams: int = 1) -> "ProfilePoint":
+    """One instance with `cores` cores (`threads`, default = cores, in `streams` streams) and batch `batch`, alone
+    on the first `cores` of `cpus`, fed by `samples` (the traffic's shapes and data; default: reamer.serve.samples'
+    rule)."""
     from reamer.plan.partition import ProfilePoint
 
     if cores < 1 or batch < 1:
         raise ProfileError(f"cores ({cores}) and batch ({batch}) must be >= 1", "pass positive values")
     chosen = _usable_cpus(cpus, cores)[:cores]
-    cfg = WorkerConfig(os.fspath(model_path), backend, chosen, cores, batch, warmup_s, window_s,
-                       max(3, max_windows), stability, samples=_doc(samples))
+    cfg = WorkerConfig(os.fspath(model_path), backend, chosen, threads or cores, batch, warmup_s, window_s,
+                       max(3, max_windows), stability, samples=_doc(samples), streams=streams)
     (res,) = _run_workers([cfg], timeout_s)
     return ProfilePoint(cores=cores, batch=batch, throughput_rps=res.throughput_rps, p99_ms=p99(res.latencies_ms))
 
@@ -239,7 +242,7 @@ def measure_layout_detail(model_path: str | os.PathLike, backend: str, layout: A
         threads = getattr(inst, "threads", None) or inst.cores
         configs.append(WorkerConfig(os.fspath(model_path), backend, chosen[start:start + inst.cores], threads,
                                     inst.batch, warmup_s, window_s, windows, 0.0, fixed_windows=max(1, windows),
-                                    samples=_doc(samples)))
+                                    samples=_doc(samples), streams=getattr(inst, "streams", 1)))
         start += inst.cores
     results = _run_workers(configs, timeout_s)
     pooled = [lat for r in results for lat in r.latencies_ms]
@@ -282,7 +285,7 @@ def _worker_main(config_json: str) -> int:
     from reamer.serve.samples import SampleSpec, explain_failure, plan_samples
 
     try:
-        backend = open_backend(cfg.backend, cfg.model_path, cfg.threads)
+        backend = open_backend(cfg.backend, cfg.model_path, cfg.threads, cfg.streams)
         plan = plan_samples(backend.inputs, SampleSpec.from_doc(cfg.samples), cfg.model_path)
         feeds = plan.batch(cfg.batch, np.random.default_rng(cfg.seed))
     except ReamerError as exc:

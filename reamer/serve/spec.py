@@ -47,6 +47,7 @@ class InstanceSpec:
     threads: int
     max_batch: int
     sched: SchedPolicy = "other"
+    streams: int = 1  # OpenVINO streams sharing the threads (each batch split among them)
 
     def __post_init__(self) -> None:
         # frozen + list: keep lists (JSON-friendly) but validate the values.
@@ -58,12 +59,15 @@ class InstanceSpec:
             raise SpecError(f"instance threads={self.threads} must be at least 1", "set threads to 1 or more")
         if self.max_batch < 1:
             raise SpecError(f"instance max_batch={self.max_batch} must be at least 1", "set max_batch to 1 or more")
+        if not 1 <= self.streams <= self.threads:
+            raise SpecError(f"instance streams={self.streams} must be between 1 and its {self.threads} thread(s)",
+                            "set streams to 1, or to at most the instance's threads")
         if self.sched not in ("other", "idle"):
             raise SpecError(f"instance sched={self.sched!r} is unknown", 'use "other" or "idle"')
 
     def key(self) -> tuple:
         """What makes two instances interchangeable: a change in any of these needs a restart."""
-        return (tuple(self.cpus), self.threads, self.max_batch, self.sched)
+        return (tuple(self.cpus), self.threads, self.max_batch, self.sched, self.streams)
 
     def __hash__(self) -> int:  # cpus is a list (JSON-shaped), so hash the key
         return hash(self.key())
@@ -76,6 +80,7 @@ class InstanceSpec:
                 threads=int(data["threads"]),
                 max_batch=int(data.get("max_batch", 1)),
                 sched=data.get("sched", "other"),
+                streams=int(data.get("streams", 1)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SpecError(f"instance entry {data!r} is invalid ({exc})",

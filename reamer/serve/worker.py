@@ -211,8 +211,9 @@ def child_main(argv: list[str]) -> None:
             set_idle_policy(0)
     except ReamerError as exc:
         problem = f"cannot place the worker (cpus {cpus}, sched {sched}): {exc}"
-    _worker_main(int(fd), problem, int(threads), backend_kind, model_path, [int(f) for f in shared_fds],
-                 json.loads(samples))
+    threads_text, _, streams = threads.partition("s")  # "4" or "4s2": 4 threads in 2 OpenVINO streams
+    _worker_main(int(fd), problem, int(threads_text), backend_kind, model_path, [int(f) for f in shared_fds],
+                 json.loads(samples), int(streams or 1))
 
 
 def _write_now(fd: int, parts: list[bytes]) -> bytes:
@@ -267,7 +268,7 @@ def _warm_up(backend: Any, samples_doc: dict | None) -> float:
 
 
 def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_path: str,
-                 shared_fds: list[int], samples_doc: dict | None = None) -> None:
+                 shared_fds: list[int], samples_doc: dict | None = None, streams: int = 1) -> None:
     """Body of the worker process, after pinning: open the model, warm up, serve batches from the parent."""
     conn = _Pipe(fd)
     in_arena, out_arena, flag = _Arena(shared_fds[0]), _Arena(shared_fds[1]), _Flag(shared_fds[2])
@@ -279,7 +280,7 @@ def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_p
     try:
         from reamer.serve.backends import open_backend
 
-        backend = open_backend(backend_kind, model_path, threads)
+        backend = open_backend(backend_kind, model_path, threads, streams)
     except BaseException as exc:  # noqa: BLE001 - any failure here must reach the parent as text
         conn.send(("fatal", f"cannot open model {model_path} with {backend_kind}: {exc}"))
         raise SystemExit(3)
@@ -414,7 +415,8 @@ class InstanceWorker:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(child_sock.fileno()), cpus, self.spec.sched,
-                 str(self.spec.threads), self.backend, self.model_path, json.dumps(self.samples),
+                 f"{self.spec.threads}" + (f"s{self.spec.streams}" if self.spec.streams > 1 else ""),
+                 self.backend, self.model_path, json.dumps(self.samples),
                  *map(str, shared_fds)],
                 pass_fds=(child_sock.fileno(), *shared_fds), stdin=subprocess.DEVNULL)
         finally:
