@@ -718,7 +718,7 @@ def _checked_traffic(req: dict[str, Any], model: Path) -> tuple[dict[str, list[i
         if backend != "openvino" and any(s.streams > 1 for s in parsed.instances):
             raise InvalidRequest(f"layout {req['layout']!r} has streams, which only openvino runs",
                                  "add @openvino to the layout, or drop the sNN streams")
-        layout = format_layout(parsed.on(backend))  # the record's layout names its backend
+        layout = format_layout(parsed)
     if backend == AUTO_BACKEND and req["kind"] != "online":
         backend = first_backend()  # only an online deploy searches a layout
         if input_data is not None:
@@ -785,17 +785,13 @@ def client_url(bind_address: str, port: int) -> str:
 
 
 def apply_choice(rec: InferenceRecord, choice: LayoutChoice | None, cpus: list[int]) -> None:
-    """Use the chooser's layout, or refuse admission with the achievable rate. The record takes the
-    layout's backend and its layout names it; "auto" with no layout chosen becomes `first_backend`."""
+    """Use the chooser's layout, or refuse admission with the achievable rate. A layout that names its
+    backend (chosen with "auto") sets the record's; "auto" with no layout chosen becomes `first_backend`."""
     try:
         _apply_choice(rec, choice, cpus)
     finally:
         if rec.backend == AUTO_BACKEND:
             rec.backend = first_backend()
-        if rec.layout:
-            from reamer.plan.layout import format_layout, parse_layout
-
-            rec.layout = format_layout(parse_layout(rec.layout).on(rec.backend))
 
 
 def _apply_choice(rec: InferenceRecord, choice: LayoutChoice | None, cpus: list[int]) -> None:
@@ -814,19 +810,4 @@ def _apply_choice(rec: InferenceRecord, choice: LayoutChoice | None, cpus: list[
 
         chosen = parse_layout(choice.layout)
         rec.backend = chosen.backend or rec.backend
-        rec.layout = format_layout(chosen.on(rec.backend if rec.backend != AUTO_BACKEND else None))
-AUTO_BACKEND = "auto"  # the backend is a search dimension: the chosen layout names it
-
-
-def installed_backends() -> list[str]:
-    """The backends whose runtime is importable here, in reamer's order."""
-    import importlib.util
-
-    return [b for b in ("onnxruntime", "openvino") if importlib.util.find_spec(b) is not None]
-
-
-def first_backend() -> str:
-    """The backend "auto" means where nothing is searched: the first installed, in reamer's order."""
-    return next(iter(installed_backends()), "onnxruntime")
-
-
+        rec.layout = format_layout(chosen)
