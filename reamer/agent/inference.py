@@ -678,6 +678,19 @@ def validate_request(req: dict[str, Any], default_backend: str) -> InferenceReco
         except ValueError as exc:
             raise InvalidRequest(f"layout {req['layout']!r} is invalid: {exc}",
                                  'write it like "2x1:b4" (instances x cores : batch) or "2x1:b4+1x2:b8"') from None
+        if parsed.backend and req.get("backend") and backend not in (AUTO_BACKEND, parsed.backend):
+            raise InvalidRequest(f"layout {req['layout']!r} runs on {parsed.backend}, the request asks for {backend}",
+                                 f"drop backend, or the layout's @{parsed.backend}, or make them agree")
+        if parsed.backend:
+            backend = parsed.backend
+        elif backend == AUTO_BACKEND:
+            backend = first_backend()
+        if backend != "openvino" and any(s.streams > 1 for s in parsed.instances):
+            raise InvalidRequest(f"layout {req['layout']!r} has streams, which only openvino runs",
+                                 "add @openvino to the layout, or drop the sNN streams")
+        layout = format_layout(parsed)
+    if backend == AUTO_BACKEND and req["kind"] != "online":
+        backend = first_backend()  # only an online deploy searches a layout
     kind = req["kind"]
     if kind == "offline":
         for key in ("input_dir", "output_dir"):
@@ -708,19 +721,6 @@ def _checked_traffic(req: dict[str, Any], model: Path) -> tuple[dict[str, list[i
     input_data = req.get("input_data")
     try:
         shapes = shapes_from_doc(req.get("shapes"))
-        if parsed.backend and req.get("backend") and backend not in (AUTO_BACKEND, parsed.backend):
-            raise InvalidRequest(f"layout {req['layout']!r} runs on {parsed.backend}, the request asks for {backend}",
-                                 f"drop backend, or the layout's @{parsed.backend}, or make them agree")
-        if parsed.backend:
-            backend = parsed.backend
-        elif backend == AUTO_BACKEND:
-            backend = first_backend()
-        if backend != "openvino" and any(s.streams > 1 for s in parsed.instances):
-            raise InvalidRequest(f"layout {req['layout']!r} has streams, which only openvino runs",
-                                 "add @openvino to the layout, or drop the sNN streams")
-        layout = format_layout(parsed)
-    if backend == AUTO_BACKEND and req["kind"] != "online":
-        backend = first_backend()  # only an online deploy searches a layout
         if input_data is not None:
             if not Path(input_data).is_absolute():
                 raise InvalidRequest(f"input_data {input_data!r} is relative; the agent cannot know your directory",
