@@ -107,6 +107,8 @@ class InferenceConfig(_Section):
     memory_limit_mb: Optional[float] = Field(default=None, gt=0, le=2**30)
     # oom_score_adj of every job process (1..1000): the kernel's OOM killer takes them before training.
     oom_score_adj: int = Field(default=800, ge=1, le=1000)
+    # Whom jobs that root deploys run as (a user name or uid). Jobs other callers deploy run as them.
+    run_as: str = Field(default="root", min_length=1, max_length=64)
 
 
 class SecurityConfig(_Section):

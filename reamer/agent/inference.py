@@ -240,6 +240,8 @@ class InferenceRecord:
     events_offset: int = 0
     owner_uid: int = 0  # the API caller who deployed it; only it or root may remove it
     memory_limit_mb: float | None = None  # None: the config's inference.memory_limit_mb
+    run_uid: int = 0  # the job's processes run as this uid/gid (the deploying caller, or inference.run_as)
+    run_gid: int = 0
 
     def to_doc(self) -> dict[str, Any]:
         return asdict(self)
@@ -253,6 +255,21 @@ class InferenceRecord:
     def from_doc(cls, doc: dict[str, Any]) -> "InferenceRecord":
         known = cls.__dataclass_fields__
         return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+def _run_as_kwargs(rec: InferenceRecord, job_dir: Path) -> dict[str, Any]:
+    """Popen arguments that start the job as its user (nothing for root), and the job directory handed
+    to that user (the job writes its status, events and log there)."""
+    if not rec.run_uid or os.geteuid() != 0:
+        return {}
+    import pwd
+
+    os.chown(job_dir, rec.run_uid, rec.run_gid)
+    try:
+        groups = os.getgrouplist(pwd.getpwuid(rec.run_uid).pw_name, rec.run_gid)
+    except KeyError:
+        groups = [rec.run_gid]
+    return {"user": rec.run_uid, "group": rec.run_gid, "extra_groups": groups}
 
 
 def free_port() -> int:
@@ -471,11 +488,24 @@ class InferenceSupervisor:
         self._status.pop(rec.name, None)
         events = job_dir / EVENTS_FILE
         rec.events_offset = events.stat().st_size if events.exists() else 0
-        with open(job_dir / "job.log", "ab") as log_file:
-            proc = subprocess.Popen(
-                [self.python, "-m", "reamer.serve.job", "--spec", str(self.spec_path(rec.name))],
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd=job_dir,
-                start_new_session=True, close_fds=True)
+        as_user = _run_as_kwargs(rec, job_dir)
+        # O_NOFOLLOW: the directory may belong to the job's user, who must not aim root's writes elsewhere.
+        log_fd = os.open(job_dir / "job.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
+        if as_user:
+            os.fchown(log_fd, rec.run_uid, rec.run_gid)
+        with os.fdopen(log_fd, "ab") as log_file:
+            try:
+                proc = subprocess.Popen(
+                    [self.python, "-m", "reamer.serve.job", "--spec", str(self.spec_path(rec.name))],
+                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd=job_dir,
+                    start_new_session=True, close_fds=True, **as_user)
+            except OSError as exc:  # e.g. the job's user cannot execute the agent's python
+                rec.state, rec.pid, rec.instances = "failed", None, []
+                rec.message = (f"cannot start the job as uid {rec.run_uid}: {exc.strerror} ({exc.filename}); fix: "
+                               "make reamer's python and the model readable by that user, or deploy as another")
+                self.save(rec)
+                self.emit("inference_failed", f"{rec.name} failed: {rec.message}", job=rec.name)
+                return
         self._procs[rec.name] = proc
         rec.pid = proc.pid
         try:
@@ -782,6 +812,21 @@ def client_url(bind_address: str, port: int) -> str:
         return f"http://{name}:{port}"
     host = f"[{address}]" if address.version == 6 else str(address)
     return f"http://{host}:{port}"
+
+
+AUTO_BACKEND = "auto"  # the backend is a search dimension: the chosen layout names it
+
+
+def installed_backends() -> list[str]:
+    """The backends whose runtime is importable here, in reamer's order."""
+    import importlib.util
+
+    return [b for b in ("onnxruntime", "openvino") if importlib.util.find_spec(b) is not None]
+
+
+def first_backend() -> str:
+    """The backend "auto" means where nothing is searched: the first installed, in reamer's order."""
+    return next(iter(installed_backends()), "onnxruntime")
 
 
 def apply_choice(rec: InferenceRecord, choice: LayoutChoice | None, cpus: list[int]) -> None:

@@ -28,6 +28,7 @@ from reamer.agent.policy import (AGENT, Caller, SecurityRules, check_cgroup, che
 from reamer.agent.store import Store
 from reamer.agent.training import Placement, PinState, RtThrottlingDisabled, TrainingPinner, job_processes
 from reamer.host.cgroups import CgroupDriver, detect_driver
+from reamer.host.access import Identity, can_access, identity_named, identity_of
 from reamer.host.errors import HostError, ReamerError
 from reamer.host.identity import pid_max, process_facts
 from reamer.host.sched import rt_throttling
@@ -244,7 +245,8 @@ class Agent:
                 continue
             try:
                 state = self.pinner.reconcile(name, doc["cpus"], doc["priority"],
-                                              make_rr=not (self.rt_disabled or doc.get("demoted")))
+                                              make_rr=not (self.rt_disabled or doc.get("demoted")),
+                                              owner_uid=doc.get("owner_uid", 0))
             except HostError as exc:
                 log.warning("reconcile of training job %s failed: %s", name, exc)
                 continue
@@ -471,15 +473,38 @@ class Agent:
                 for i in r.instances for c in i["cpus"]}
         return [c for c in self.cores.idle_cpus() if c not in used]
 
+    def _job_identity(self, caller: Caller) -> Identity:
+        """Whom a job runs as: the caller who deploys it; root's jobs as inference.run_as."""
+        if caller.is_root:
+            return identity_named(self.config.inference.run_as)
+        return identity_of(caller.uid, caller.gid)
+
+    def _check_paths_as(self, runner: Identity, req: dict[str, Any]) -> None:
+        """Every file the job will open, checked with the rights of the user it runs as. A path that user
+        cannot reach gets the same answer as one that does not exist (the agent tells no secrets)."""
+        for key, kind, verb in (("model", "file", "read"), ("input_data", "file", "read"),
+                                ("input_dir", "dir", "list"), ("output_dir", "output_dir", "create and write")):
+            path = req.get(key)
+            if not isinstance(path, str) or not os.path.isabs(path):
+                continue  # absent, or relative: validate_request names that problem
+            if not can_access(runner, path, kind):
+                raise InvalidRequest(f"{key} {path} does not exist or {runner} cannot {verb} it",
+                                     f"give a path {runner} can {verb} (the job runs as that user); check the "
+                                     "permissions of the path and of every directory above it")
+
     def deploy_inference(self, req: dict[str, Any], caller: Caller = AGENT) -> dict[str, Any]:
         name = req["name"]
+        self._check_layout_size(req.get("layout"))
+        runner = self._job_identity(caller)
+        if not runner.is_root:
+            self._check_paths_as(runner, req)  # outside the lock: it runs a command per path
         with self._lock:
             if name in self.supervisor.records:
                 raise Conflict(f"inference job {name!r} already exists", "remove it first, or use another name")
-            self._check_layout_size(req.get("layout"))
             rec = validate_request(req, self.config.inference.default_backend)
             rec.owner_uid = caller.uid
             rec.memory_limit_mb = req.get("memory_limit_mb")
+            rec.run_uid, rec.run_gid = runner.uid, runner.gid
             cpus = self._online_free_cpus()
         if rec.kind == "online" and rec.layout is None:
             apply_choice(rec, choose_for(self.choose_layout, rec, cpus), cpus)
@@ -551,7 +576,7 @@ class Agent:
                 "layout": rec.layout or _layout_of(rec.instances), "instances": [dict(i) for i in rec.instances],
                 "pid": rec.pid if rec.state == "running" else None, "status": status_doc, "message": message,
                 "created_at": rec.created_at, "owner_uid": rec.owner_uid,
-                "memory_limit_mb": self.memory.limit_of(rec), "oom_kills": self.memory.jobs.get(rec.name).oom_kills
+                "run_uid": rec.run_uid, "memory_limit_mb": self.memory.limit_of(rec), "oom_kills": self.memory.jobs.get(rec.name).oom_kills
                 if rec.name in self.memory.jobs else 0,
                 "bind_address": (rec.bind_address or self.supervisor.bind_address) if rec.kind == "online" else None,
                 "url": self.supervisor.url(rec), "grpc_target": self.supervisor.grpc_target(rec),

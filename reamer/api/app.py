@@ -38,6 +38,9 @@ log = logging.getLogger("reamer.api")
 MAX_WAIT_S = 60.0
 SQLITE_MAX_INT = 2**63 - 1
 LONG_POLL_STEP_S = 0.2
+# A body over the limit but within this many times it is read and dropped before the 413 (a client
+# still sending when the server closes may see a reset instead of the answer); larger ones are cut off.
+DRAIN_FACTOR = 4
 # Every route may answer these: the caller is not allowed (403), the body is too large (413), a
 # mistake in the request (422), a long-poll too many (429), the store failing (503).
 COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -82,8 +85,8 @@ class SocketGate:
                               "(reamer --socket PATH, or REAMER_SOCKET)")
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
-            await self._too_large(send)
+        if declared is not None and (not declared.isdigit() or int(declared) > DRAIN_FACTOR * self.max_body):
+            await self._too_large(send)  # far too large: answer at once and close
             return
         chunks: list[bytes] = []
         size = 0
@@ -93,12 +96,16 @@ class SocketGate:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body:
+            if size > DRAIN_FACTOR * self.max_body:
                 await self._too_large(send)
                 return
-            chunks.append(chunk)
+            if size <= self.max_body:
+                chunks.append(chunk)
             if not message.get("more_body"):
                 break
+        if size > self.max_body:  # read (bounded) and dropped, so the client reliably gets the answer
+            await self._too_large(send)
+            return
         body = b"".join(chunks)
         delivered = False
 

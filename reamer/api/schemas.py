@@ -206,6 +206,7 @@ class InferenceJob(_Response):
     message: str = ""
     created_at: float = 0.0
     owner_uid: int = 0  # who deployed it (root: 0); only it or root may remove it
+    run_uid: int = 0  # its processes run as this uid (the deploying caller; root's jobs: inference.run_as)
     memory_limit_mb: Optional[float] = None  # the limit its processes run under (None: none)
     oom_kills: int = 0  # its processes the kernel's OOM killer killed (seen by this agent)
     bind_address: Optional[str] = None  # online: where its front doors listen (0.0.0.0: every interface)

@@ -18,6 +18,7 @@ import io
 import math
 import os
 import queue
+import stat
 import threading
 import time
 import zipfile
@@ -174,6 +175,15 @@ def _load(item: _Item, model_inputs: list[TensorInfo]) -> _Loaded:
         return exc
 
 
+def _own_regular_file(path: Path) -> bool:
+    """A plain file this process's user owns (temp files of others, and symlinks, are never deleted)."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+
+
 def _yield_to_instances() -> None:
     try:
         set_nice(threading.get_native_id(), HOUSEKEEPING_NICE)
@@ -189,7 +199,7 @@ class OfflineRunner:
         self.run_dir = run_dir
         self.output_dir.mkdir(parents=True, exist_ok=True)
         for name in os.listdir(self.output_dir):
-            if is_temp_file(name):  # a result cut off by a crash of an earlier run
+            if is_temp_file(name) and _own_regular_file(self.output_dir / name):  # cut off by an earlier crash
                 (self.output_dir / name).unlink(missing_ok=True)
         files = list_inputs(self.input_dir)
         pending = [p for p in files if not result_path(self.output_dir, p).exists()]
@@ -346,7 +356,11 @@ class OfflineRunner:
         buf = io.BytesIO()
         np.savez(buf, **outputs)
         try:
-            write_atomic(result_path(self.output_dir, item.path), buf.getvalue())
+            write_atomic(result_path(self.output_dir, item.path), buf.getvalue(), replace=False)
+        except FileExistsError:
+            self._fail(item, f"input file {item.path.name}: its result file appeared meanwhile and this job did not "
+                       "write it; it is left as it is (move it away and deploy again)")
+            return
         except OSError as exc:
             self._fail(item, f"input file {item.path.name}: cannot write its result: {exc}")
             return

@@ -227,18 +227,25 @@ def is_temp_file(name: str) -> bool:
     return name.startswith(".") and _TEMP_MARK in name
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write a file so readers see the old or the new content, never a part: temp + fsync + rename."""
+def write_atomic(path: str | os.PathLike, data: bytes | str, replace: bool = True) -> None:
+    """Write a file so readers see the old or the new content, never a part: temp + fsync + rename.
+
+    replace=False never replaces anything already at `path` (a file, a symlink, another user's
+    file): FileExistsError instead. The temp file is O_EXCL (it never follows a planted symlink)."""
     path = Path(path)
     payload = data.encode() if isinstance(data, str) else data
     tmp = path.with_name(f".{path.name}{_TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(payload)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path, follow_symlinks=False)  # EEXIST when anything is there: nothing is replaced
+            os.unlink(tmp)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from reamer.host.identity import process_facts
 
 from tests.agent.conftest import all_rr, needs_rt_host, none_rt
+from tests.conftest import wait_for
 from tests.security.conftest import USER_PYTHON, UserClient, cgroup_exists, needs_root_for_users
 
 pytestmark = [needs_root_for_users, pytest.mark.root]
@@ -180,3 +182,20 @@ def test_long_polls_cannot_starve_demote_all(secure_daemon, user):
             thread.join(timeout=60)
     assert sorted(set(done)) == [200]
     assert secure_daemon.client.events(since=last).events  # demoted_all was recorded
+
+
+@needs_rt_host
+def test_a_foreign_process_that_joins_a_users_job_is_not_made_real_time(as_user, user, secure_daemon,
+                                                                        trainer_factory):
+    """Like a setuid program the user's training starts: it lands in the job's cgroup but is not the user's."""
+    mine = user.sleeper()
+    assert as_user.call("POST", "/v1/training-jobs", {"name": "suid", "pids": [mine.pid]})[0] == 201
+    assert all_rr(mine.pid)
+    roots = trainer_factory(threads=1)
+    procs = Path("/sys/fs/cgroup/cpuset") / secure_daemon.cgroup_name / "train-suid" / "cgroup.procs"
+    procs.write_text(str(roots.pid))
+    # Demote the user's thread: once a pass has made it RR again, that pass has seen root's process too.
+    os.sched_setscheduler(mine.pid, os.SCHED_OTHER, os.sched_param(0))
+    wait_for(lambda: all_rr(mine.pid), timeout=30, what="a reconcile pass")
+    assert none_rt(roots.pid)
+    (Path("/sys/fs/cgroup/cpuset") / "cgroup.procs").write_text(str(roots.pid))

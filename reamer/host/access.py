@@ -1,0 +1,86 @@
+"""Files as another user sees them: the agent (root) asks the kernel on a user's behalf.
+
+Each check runs a tiny shell command with the user's uid, gid and groups, so the kernel decides
+(mode bits, ACLs, every directory on the way, root-squashed mounts) exactly as it will for the
+user's job. A path the user cannot reach and a path that does not exist look the same from here,
+so callers can answer both with one message.
+"""
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import subprocess
+from dataclasses import dataclass
+
+from reamer.host.errors import ReamerError
+
+SHELL = "/bin/sh"
+CHECK_TIMEOUT_S = 20.0
+_TESTS = {
+    "file": 'test -f "$1" && test -r "$1"',
+    "dir": 'test -d "$1" && test -r "$1" && test -x "$1"',
+    # created (with parents) by the user itself, then writable by it
+    "output_dir": 'mkdir -p -- "$1" 2>/dev/null; test -d "$1" && test -w "$1" && test -x "$1"',
+}
+
+
+class UnknownUser(ReamerError):
+    """A user named in the config does not exist on this host."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Whom a job runs as."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+    name: str = ""
+
+    @property
+    def is_root(self) -> bool:
+        return self.uid == 0
+
+    def __str__(self) -> str:
+        return f"{self.name or 'uid'} (uid {self.uid})" if self.name else f"uid {self.uid}"
+
+
+def identity_of(uid: int, gid: int) -> Identity:
+    """The identity of a caller: its uid and gid, and the groups the user database gives that uid."""
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return Identity(uid, gid, (gid,))
+    return Identity(uid, gid, tuple(sorted(set(_grouplist(entry.pw_name, gid)))), entry.pw_name)
+
+
+def identity_named(user: str) -> Identity:
+    """`user` (a name or a numeric uid) with its primary group and groups from the user database."""
+    try:
+        entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+    except KeyError:
+        raise UnknownUser(f"user {user!r} (inference.run_as) does not exist on this host",
+                          f"create it (useradd --system {user}) or set inference.run_as to an existing user") from None
+    return Identity(entry.pw_uid, entry.pw_gid, tuple(sorted(set(_grouplist(entry.pw_name, entry.pw_gid)))),
+                    entry.pw_name)
+
+
+def _grouplist(name: str, gid: int) -> list[int]:
+    try:
+        return os.getgrouplist(name, gid)
+    except (OSError, KeyError):
+        return [gid] + [g.gr_gid for g in grp.getgrall() if name in g.gr_mem]
+
+
+def can_access(identity: Identity, path: str, kind: str) -> bool:
+    """Whether `identity` can use `path` as a "file" (read), a "dir" (list and enter) or an
+    "output_dir" (created by it if missing, then written)."""
+    try:
+        done = subprocess.run([SHELL, "-c", _TESTS[kind], "reamer-access", path], user=identity.uid,
+                              group=identity.gid, extra_groups=list(identity.groups), cwd="/",
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, timeout=CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return False  # a hung mount: the job could not use it either
+    return done.returncode == 0
