@@ -59,7 +59,7 @@ def broken_request(case: str) -> dict:
     return inputs
 
 
-@pytest.mark.parametrize("variant", [CLIENT_VARIANTS[0][1], CLIENT_VARIANTS[-1][1]])
+@pytest.mark.parametrize("variant", [CLIENTS["http"].variants[0], CLIENTS["http"].variants[-1]])
 @pytest.mark.parametrize("case", ["out-of-range-ids", "mismatched-seq", "batch-0"])
 def test_what_the_model_raises_is_a_400_and_the_instance_keeps_serving(online, models_dir, case, variant):
     from tritonclient.utils import InferenceServerException

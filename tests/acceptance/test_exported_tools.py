@@ -49,7 +49,7 @@ def test_profile_runs_with_the_traffic_shapes(models_dir, model, backend):
 def test_search_runs_with_the_traffic_shapes(models_dir, tmp_path, model, backend):
     spec = SPECS[model]
     done = reamer("-o", "json", "search", model_path(models_dir, model), "--backend", backend, "--cores", "1",
-                  "--cpus", last_cpu(), "--max-batch", "2", "--slo-ms", "5000", "--cache-dir", str(tmp_path / "cache"),
+                  "--cpus", last_cpu(), "--max-batch", "1", "--slo-ms", "5000", "--cache-dir", str(tmp_path / "cache"),
                   *spec.shape_args(seq=24), *FAST, "--verify-windows", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(done.stdout)
