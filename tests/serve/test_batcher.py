@@ -190,3 +190,33 @@ def test_a_batch_skips_a_request_too_large_for_it_and_takes_the_ones_behind():
 
     reqs, taken, left = asyncio.run(main())
     assert taken == [reqs[0], reqs[2]] and left == [reqs[1]]
+
+
+def test_a_request_the_model_refuses_fails_alone_not_the_batch_it_was_in(make_worker, tmp_path):
+    from reamer.serve.worker import InferenceFailed
+    from tests.serve.bertlike import bert_feeds, build_bertlike
+
+    w = make_worker(build_bertlike(tmp_path / "bertlike.onnx"), max_batch=4)
+    good = [bert_feeds(1, 8, word_id=i) for i in (1, 2)]
+    bad = bert_feeds(1, 8, type_id=5)  # out of the token-type table's range
+
+    async def main():
+        b = DynamicBatcher(slo_ms=None)
+        b.add_instance(w)
+        os.kill(w.pid, signal.SIGSTOP)
+        first = asyncio.ensure_future(b.infer(good[0]))
+        await until(lambda: w.busy, what="first batch in flight")
+        rest = [asyncio.ensure_future(b.infer(x)) for x in (bad, good[1])]
+        await until(lambda: len(b._queue) == 2, what="two queued requests")
+        os.kill(w.pid, signal.SIGCONT)
+        outs = await asyncio.gather(first, *rest, return_exceptions=True)
+        await b.close()
+        return outs
+
+    first, refused, second = asyncio.run(main())
+    assert isinstance(refused, InferenceFailed) and "out of data bounds" in refused.message
+    assert first["last_hidden_state"].shape == second["last_hidden_state"].shape == (1, 8, 384)
+    # the batch of two was refused, then each ran alone: the good one answered (batches_run counts the
+    # batches that succeeded), and the instance kept serving
+    assert (w.batches_run, w.samples_run) == (2, 2) and w.restarts == 0
+    assert not [e for e in read_events(tmp_path)[0] if e["kind"] == "worker_crashed"]
