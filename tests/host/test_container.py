@@ -139,3 +139,35 @@ def test_resolve_reads_cores_from_the_cgroup(proc: Path, tmp_path: Path) -> None
 def test_real_proc_unknown_container() -> None:
     with pytest.raises(ReamerError, match="no process on this host belongs"):
         resolve_container("f0" * 32)
+
+
+# Every naming the runtimes use, on v1 (the cpu/cpuset lines) and v2 (the 0:: line): the container's own
+# cgroup is what reamer pins in place, also when the runtime nests the processes one level deeper.
+NAMINGS = {
+    "docker cgroupfs": (f"/docker/{DOCKER}", f"docker/{DOCKER}"),
+    "docker systemd": (f"/system.slice/docker-{DOCKER}.scope", f"system.slice/docker-{DOCKER}.scope"),
+    "podman systemd (crun nests container/)": (f"/machine.slice/libpod-{PODMAN}.scope/container",
+                                               f"machine.slice/libpod-{PODMAN}.scope"),
+    "podman cgroupfs": (f"/libpod_parent/libpod-{PODMAN}", f"libpod_parent/libpod-{PODMAN}"),
+    "containerd kubernetes cgroupfs": (f"/kubepods/burstable/pod0a-1b/{CONTAINERD}",
+                                       f"kubepods/burstable/pod0a-1b/{CONTAINERD}"),
+    "containerd kubernetes systemd": (
+        f"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0a_1b.slice/cri-containerd-{CONTAINERD}.scope",
+        f"kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0a_1b.slice/cri-containerd-{CONTAINERD}.scope"),
+    "cri-o cgroupfs": (f"/kubepods/besteffort/pod0a-1b/crio-{CRIO}", f"kubepods/besteffort/pod0a-1b/crio-{CRIO}"),
+    "cri-o systemd": (f"/kubepods.slice/kubepods-pod2.slice/crio-{CRIO}.scope",
+                      f"kubepods.slice/kubepods-pod2.slice/crio-{CRIO}.scope"),
+}
+
+
+@pytest.mark.parametrize("naming", sorted(NAMINGS))
+@pytest.mark.parametrize("version", [1, 2])
+def test_every_runtime_naming_on_v1_and_v2(tmp_path: Path, naming: str, version: int) -> None:
+    from reamer.host.container import container_cgroup
+
+    seen, own = NAMINGS[naming]
+    cid = next(c for c in (DOCKER, CONTAINERD, CRIO, PODMAN) if c in seen)
+    proc = make_proc(tmp_path, {1: v1_lines("/"), 500: v1_lines(seen) if version == 1 else f"0::{seen}\n"})
+    info = resolve_container(cid[:12], proc_root=proc, cgroup_root=tmp_path / "no-cgroups")
+    assert (info.id, info.cgroup_path, info.pids) == (cid, own, [500])
+    assert container_cgroup(seen) == own
