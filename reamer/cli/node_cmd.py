@@ -39,6 +39,7 @@ def render_status(node, training_jobs, inference_jobs) -> str:
         "",
         "training jobs:",
         render_training_table(training_jobs),
+        *(f"  {field(j, 'name')}: {field(j, 'message')}" for j in training_jobs if field(j, "message")),
         "",
         "inference jobs:",
         render_inference_table(inference_jobs),
@@ -154,6 +155,24 @@ def check_required(check) -> bool:
     return bool(getattr(check, "required", True))
 
 
+def training_conflict_checks(cli: CliContext) -> list:
+    """With a running agent: one warning per training job whose cpuset another manager changed."""
+    from reamer.host.errors import ReamerError
+    from reamer.host.probe import Check
+
+    try:
+        jobs = cli.client().list_training_jobs()
+    except ReamerError:
+        return []  # no agent here: nothing attached to check
+    conflicts = [j for j in jobs if "conflict:" in (field(j, "message") or "")]
+    if not conflicts:
+        return [Check("training-cpusets", True, f"{len(jobs)} training job(s), no other manager changed their cpusets",
+                      required=False)]
+    return [Check("training-cpusets", False, f"{field(j, 'name')}: {field(j, 'message')}",
+                  "let one manager own that cgroup's cpuset: turn kubelet's static CPU manager (or the runtime's "
+                  "update) off for it, or detach the job from reamer", required=False) for j in conflicts]
+
+
 @click.command()
 @pass_cli
 def doctor(cli: CliContext) -> None:
@@ -161,6 +180,7 @@ def doctor(cli: CliContext) -> None:
     from reamer.host.probe import run_checks
 
     checks = run_checks()
+    checks.extend(training_conflict_checks(cli))
     failed_required = [c for c in checks if not c.ok and check_required(c)]
     data = {
         "ok": not failed_required,

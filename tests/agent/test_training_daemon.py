@@ -112,3 +112,61 @@ def test_demote_all_stops_rr_until_reattached(daemon, trainer_factory):
         assert none_rt(trainer.pid), "the reconcile loop must not re-promote after demote-all"
         time.sleep(0.1)
     assert "demote" in daemon.client.get_training_job("d").message
+
+
+def test_demo_runs_beside_an_idle_agent_with_the_shipped_budget(daemon_factory):
+    """An idle agent holds no RT budget and no cgroup, so `reamer demo` (its own agent) runs beside it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    shipped = yaml.safe_load(Path("configs/reamer.yaml").read_text())["training"]["rt_runtime_us"]
+    daemon = daemon_factory(training={"rt_runtime_us": shipped})
+    assert not Path(f"/sys/fs/cgroup/cpu/{daemon.cgroup_name}").exists(), "an idle agent creates no cgroup"
+    proc = subprocess.run([sys.executable, "-m", "reamer.cli.main", "demo", "--duration", "5"],
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "=== reamer demo summary ===" in out, out[-3000:]
+    assert daemon.client.health()
+
+
+def test_conflicting_cpuset_manager_shows_in_events_status_and_doctor(daemon, trainer_factory):
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from reamer.cli.main import cli
+
+    home = f"{daemon.cgroup_name}-home"
+    cg = Path("/sys/fs/cgroup")
+    for level in (home, f"{home}/job"):
+        (cg / "cpuset" / level).mkdir(exist_ok=True)
+        for name in ("cpuset.cpus", "cpuset.mems"):
+            (cg / "cpuset" / level / name).write_text((cg / "cpuset" / name).read_text())
+    trainer = trainer_factory(threads=1)
+    (cg / "cpuset" / home / "job" / "cgroup.procs").write_text(str(trainer.pid))
+    try:
+        job = daemon.client.attach_training({"name": "cm", "cgroup": f"{home}/job", "cores": 1})
+        assert cgroup_path(trainer.pid, "cpuset") == f"/{home}/job", "pinned in place"
+        full = (cg / "cpuset" / "cpuset.cpus").read_text().strip()
+        (cg / "cpuset" / home / "job" / "cpuset.cpus").write_text(full)  # another manager widens it
+        wait_event(daemon, "training_cpuset_conflict", job="cm")
+        time.sleep(1.0)  # several passes: reamer must not write it back, nor report it again
+        assert (cg / "cpuset" / home / "job" / "cpuset.cpus").read_text().strip() == full
+        assert [e.kind for e in daemon.client.events(0).events].count("training_cpuset_conflict") == 1
+        status = CliRunner().invoke(cli, ["--socket", daemon.socket, "status"])
+        assert "cm: conflict: cpuset of" in status.output, status.output
+        doctor = CliRunner().invoke(cli, ["--socket", daemon.socket, "doctor"])
+        assert "training-cpusets" in doctor.output and "another manager" in doctor.output, doctor.output
+        daemon.client.detach_training("cm")
+        assert (cg / "cpuset" / home / "job" / "cpuset.cpus").read_text().strip() == full
+        assert job.cpus
+    finally:
+        trainer.stop()
+        for level in (f"{home}/job", home):
+            try:
+                (cg / "cpuset" / level).rmdir()
+            except OSError:
+                pass
