@@ -380,6 +380,33 @@ class _TensorClient:
         self.sock.close()
 
 
+class _GrpcClient:
+    """The gRPC counterpart of _PlainClient: one channel, the ModelInferRequest encoded once (raw tensors),
+    the answer's bytes left unparsed; the job's time from its `server-timing` trailing metadata."""
+
+    def __init__(self, port: int, name: str, inputs: dict[str, np.ndarray]) -> None:
+        import grpc
+
+        from reamer.serve.grpc_v2 import messages as pb
+        from reamer.serve.tensors import numpy_to_v2
+
+        req = pb.ModelInferRequest(model_name=name)
+        for k, a in inputs.items():
+            req.inputs.add(name=k, datatype=numpy_to_v2(a.dtype), shape=list(a.shape))
+            req.raw_input_contents.append(np.ascontiguousarray(a).tobytes())
+        self.request = req.SerializeToString()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.call = self.channel.unary_unary(f"/{pb.SERVICE}/ModelInfer")  # bytes in, bytes out
+
+    def infer(self) -> dict[str, float]:
+        """One request; the job's Server-Timing parts (ms)."""
+        _, call = self.call.with_call(self.request, timeout=600)
+        return _server_timing(dict(call.trailing_metadata()).get("server-timing"))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
 def _raw_request(name: str, inputs: dict[str, np.ndarray], output_names: list[str]) -> tuple[bytes, dict[str, str]]:
     """A v2 infer request with binary tensors both ways, encoded once."""
     from reamer.serve.tensors import numpy_to_v2
@@ -442,10 +469,23 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
             outputs = [triton.InferRequestedOutput(o, binary_data=True) for o in names]
         raw_body, raw_headers = _raw_request(name, inputs, names)
         plain = _PlainClient(st.port, f"/v2/models/{name}/infer", raw_body, raw_headers)
+        # the gRPC front door of the same job: a plain gRPC client and tritonclient.grpc
+        rpc = _GrpcClient(st.grpc_port, name, inputs)
+        triton_grpc, grpc_tensors = None, []
+        if triton is not None:
+            import tritonclient.grpc as tgrpc
+
+            triton_grpc = tgrpc.InferenceServerClient(f"127.0.0.1:{st.grpc_port}")
+            for key, arr in inputs.items():
+                t = tgrpc.InferInput(key, list(arr.shape), {np.float32: "FP32", np.int64: "INT64"}[arr.dtype.type])
+                t.set_data_from_numpy(arr)
+                grpc_tensors.append(t)
         # per request: (latency, latency minus the model's own run time) in ms; in_job: the job's own time
         # besides compute, from its Server-Timing header
-        lat: dict[str, list[tuple[float, float]]] = {"http": [], "tritonclient": [], "direct": [], "direct_tcp": []}
+        lat: dict[str, list[tuple[float, float]]] = {"http": [], "tritonclient": [], "direct": [], "direct_tcp": [],
+                                                     "grpc": [], "tritonclient_grpc": []}
         in_job: list[float] = []
+        in_job_grpc: list[float] = []
 
         def via_http() -> tuple[float, float]:
             t0 = time.perf_counter()
@@ -479,11 +519,27 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
             took = (time.perf_counter() - t0) * 1e3
             return took, took - compute
 
-        ways = {"http": via_http, "tritonclient": via_triton, "direct": via_direct, "direct_tcp": via_direct_tcp}
+        def via_grpc() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            timing = rpc.infer()
+            took = (time.perf_counter() - t0) * 1e3
+            in_job_grpc.append(timing["total"] - timing["compute"])
+            return took, took - timing["compute"]
+
+        def via_triton_grpc() -> tuple[float, float]:
+            if triton_grpc is None:
+                return float("nan"), float("nan")
+            t0 = time.perf_counter()
+            triton_grpc.infer(name, grpc_tensors)
+            return (time.perf_counter() - t0) * 1e3, float("nan")
+
+        ways = {"http": via_http, "tritonclient": via_triton, "direct": via_direct, "direct_tcp": via_direct_tcp,
+                "grpc": via_grpc, "tritonclient_grpc": via_triton_grpc}
         for _ in range(3):
             for way in ways.values():
                 way()
         in_job.clear()
+        in_job_grpc.clear()
         rng = np.random.default_rng(2)
         order = list(ways)
         for i in range(n):
@@ -493,7 +549,10 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
         if client is not None:
             client.close()
         plain.close()
-        return {**lat, "in_job": in_job}
+        rpc.close()
+        if triton_grpc is not None:
+            triton_grpc.close()
+        return {**lat, "in_job": in_job, "in_job_grpc": in_job_grpc}
     finally:
         os.sched_setaffinity(0, _ALL_CPUS)
         if direct.poll() is None:
@@ -609,15 +668,24 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
                     "overhead_ms": p50("http", 1) - p50("direct_tcp", 1),
                     "overhead_vs_pipe_ms": p50("http", 1) - p50("direct", 1),
                     "in_job_p50_ms": statistics.median(lat["in_job"]),
-                    "tritonclient_minus_direct_ms": p50("tritonclient", 0) - p50("direct", 0)})
+                    "tritonclient_minus_direct_ms": p50("tritonclient", 0) - p50("direct", 0),
+                    # the gRPC front door of the same job, measured the same way
+                    "grpc_p50_ms": p50("grpc", 0), "grpc_noncompute_p50_ms": p50("grpc", 1),
+                    "grpc_overhead_ms": p50("grpc", 1) - p50("direct_tcp", 1),
+                    "grpc_overhead_vs_pipe_ms": p50("grpc", 1) - p50("direct", 1),
+                    "grpc_in_job_p50_ms": statistics.median(lat["in_job_grpc"]),
+                    "tritonclient_grpc_p50_ms": p50("tritonclient_grpc", 0)})
             summary = {k: statistics.median(tr[k] for tr in trials) for k in trials[0]}
             results["online"][family] = {"trials": trials, "median": summary, "overheads": [tr["overhead_ms"] for tr in trials],
+                                         "grpc_overheads": [tr["grpc_overhead_ms"] for tr in trials],
                                          "gap_s": gap, "requests": n, "backend": backend, "loadavg": os.getloadavg()}
             print(f"online {family}: overhead {summary['overhead_ms']:.2f} ms (vs pipe {summary['overhead_vs_pipe_ms']:.2f}; "
                   f"front door {summary['http_noncompute_p50_ms']:.2f} ms besides compute, direct TCP "
                   f"{summary['direct_tcp_noncompute_p50_ms']:.2f}, direct pipe {summary['direct_noncompute_p50_ms']:.2f} ms; in the job "
                   f"{summary['in_job_p50_ms']:.2f} ms); p50 direct {summary['direct_p50_ms']:.2f}, front door "
-                  f"{summary['http_p50_ms']:.2f}, tritonclient {summary['tritonclient_p50_ms']:.2f} ms", flush=True)
+                  f"{summary['http_p50_ms']:.2f}, tritonclient {summary['tritonclient_p50_ms']:.2f} ms; gRPC overhead "
+                  f"{summary['grpc_overhead_ms']:.2f} ms (in the job {summary['grpc_in_job_p50_ms']:.2f} ms, p50 "
+                  f"{summary['grpc_p50_ms']:.2f}, tritonclient.grpc {summary['tritonclient_grpc_p50_ms']:.2f} ms)", flush=True)
     results["uptime_after"] = _uptime()
     (out / "serving_overhead.json").write_text(json.dumps(results, indent=2))
     return results
@@ -664,7 +732,10 @@ def markdown(results: dict, command: str) -> str:
                   "the same for (c): the run time comes from the job's `Server-Timing` header and from the direct "
                   "process itself, so the model's own run-to-run spread (several ms for ResNet-50) cancels out of each "
                   "request. *vs pipe* is the same against (d), which also charges the front door with moving the "
-                  "request's bytes over TCP. In the job = p50 of `Server-Timing` total − compute. Target ≤ 1 ms.", "",
+                  "request's bytes over TCP. In the job = p50 of `Server-Timing` total − compute. Target ≤ 1 ms. "
+                  "Rows marked gRPC: the same job's gRPC front door, with a plain gRPC client (one channel, the "
+                  "request encoded once, raw tensors) as (a), tritonclient.grpc as (b), and the `server-timing` "
+                  "trailing metadata as the header; both front doors take turns in the same run.", "",
                   "| model | backend | overhead (ms) | per trial | vs pipe (ms) | front door / direct TCP / direct pipe, "
                   "besides compute (ms) | in the job (ms) | p50 direct TCP / front door / tritonclient (ms) | met | "
                   "load (1 min) |",
@@ -678,6 +749,14 @@ def markdown(results: dict, command: str) -> str:
                          f"{md['in_job_p50_ms']:.2f} | {md['direct_tcp_p50_ms']:.1f} / {md['http_p50_ms']:.1f} / "
                          f"{md['tritonclient_p50_ms']:.1f} | {'yes' if md['overhead_ms'] <= 1.0 else 'no'} | "
                          f"{v['loadavg'][0]:.1f} |")
+            if "grpc_overhead_ms" in md:  # the same job's gRPC front door (client column: tritonclient.grpc)
+                per_trial = ", ".join(f"{x:.2f}" for x in v["grpc_overheads"])
+                lines.append(f"| {k}, gRPC | {v['backend']} | {md['grpc_overhead_ms']:.2f} | {per_trial} | "
+                             f"{md['grpc_overhead_vs_pipe_ms']:.2f} | {md['grpc_noncompute_p50_ms']:.2f} / "
+                             f"{md['direct_tcp_noncompute_p50_ms']:.2f} / {md['direct_noncompute_p50_ms']:.2f} | "
+                             f"{md['grpc_in_job_p50_ms']:.2f} | {md['direct_tcp_p50_ms']:.1f} / {md['grpc_p50_ms']:.1f} / "
+                             f"{md['tritonclient_grpc_p50_ms']:.1f} | {'yes' if md['grpc_overhead_ms'] <= 1.0 else 'no'} | "
+                             f"{v['loadavg'][0]:.1f} |")
         lines.append("")
     if results["ov_compare"]:
         lines += ["OpenVINO's own THROUGHPUT hint (one process on all cpus, async infer requests, batch 1) vs "
