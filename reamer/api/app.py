@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Optional
@@ -124,7 +125,7 @@ class SocketGate:
                           "send a smaller request (or raise security.max_body_kb in the agent's config)")
 
 
-def caller_of(request: Request) -> Caller:
+async def caller_of(request: Request) -> Caller:
     """The caller of this request (SocketGate let only requests with credentials in)."""
     peer = request.scope[PEER_SCOPE_KEY]
     return Caller(uid=peer.uid, gid=peer.gid, pid=peer.pid)
@@ -237,9 +238,13 @@ def build_app(agent: "Agent") -> FastAPI:
     def detach_training(name: str, caller: Caller = Depends(caller_of)) -> dict:
         return agent.detach_training(name, caller)
 
+    # The big red button runs on threads of its own: however many slow calls hold the shared worker
+    # threads (deploys waiting for a layout search, ...), it always answers.
+    demote_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reamer-demote")
+
     @app.post("/v1/demote-all", response_model=DemoteResult, responses=ERRORS)
-    def demote_all(caller: Caller = Depends(caller_of)) -> dict:
-        return agent.demote_all(caller)
+    async def demote_all(caller: Caller = Depends(caller_of)) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(demote_threads, agent.demote_all, caller)
 
     # --- inference ---
 

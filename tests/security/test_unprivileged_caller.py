@@ -199,3 +199,14 @@ def test_a_foreign_process_that_joins_a_users_job_is_not_made_real_time(as_user,
     wait_for(lambda: all_rr(mine.pid), timeout=30, what="a reconcile pass")
     assert none_rt(roots.pid)
     (Path("/sys/fs/cgroup/cpuset") / "cgroup.procs").write_text(str(roots.pid))
+
+
+def test_deeply_nested_and_non_finite_bodies_are_4xx(as_user):
+    for body in ("[" * 200_000, '{"name": "x", "pids": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                 '{"name": "n", "model": "/m.onnx", "kind": "online", "slo_ms": NaN}',
+                 '{"name": "n", "model": "/m.onnx", "kind": "online", "slo_ms": Infinity}'):
+        status, answer = as_user.call("POST", "/v1/inference-jobs", content=body)
+        assert 400 <= status < 500, (status, answer)
+        assert answer["error"]["message"] and "Traceback" not in str(answer)
+    status, answer = as_user.call("GET", "/v1/events", params={"wait": "nan"})
+    assert status == 422, answer
