@@ -799,7 +799,7 @@ class _Connection(asyncio.Protocol):
         if self._state == _HEAD and now - self._since > self.limits.header_timeout_s:
             self._refuse(_error(408, f"the request headers did not arrive within {self.limits.header_timeout_s:g} s "
                                      "(the job's header_timeout_s)", connection="close"))
-        elif self._state == _BODY and now - self._since > self.limits.body_timeout_s:
+        elif self._state == _BODY and not self._owe_continue and now - self._since > self.limits.body_timeout_s:
             self._refuse(_error(408, f"the request body stalled for {self.limits.body_timeout_s:g} s "
                                      "(the job's body_timeout_s)", connection="close"))
         elif (self._state == _IDLE and not self.busy and not self.pending
@@ -856,7 +856,8 @@ class _Connection(asyncio.Protocol):
                 if self.transport is not None:
                     self._release(incoming.held)
                 incoming.held, incoming.body = 0, b""
-                self._since = time.monotonic()
+                if self._state == _IDLE:  # the idle clock starts when the answer is done
+                    self._since = time.monotonic()
                 self._update_reading()
             if 400 <= reply.status < 500 and self.transport is not None:
                 message = orjson.loads(reply.body).get("error", "") if reply.body else ""
@@ -874,6 +875,7 @@ class _Connection(asyncio.Protocol):
                 self.transport.write(reply.body)
             if self._owe_continue and not self.pending:
                 self._owe_continue = False
+                self._since = time.monotonic()  # the body's clock starts when the client is told to send it
                 self.transport.write(_CONTINUE)
             if not keep_alive:
                 self.transport.close()

@@ -517,3 +517,21 @@ def test_worker_killed_during_an_instance_answered_request_gives_503(served):
 def test_malformed_http_gets_400_and_a_closed_connection(served):
     [(status, headers, body)] = _raw_exchange(served.url, b"NOT HTTP AT ALL\r\n\r\n", 1)
     assert status == 400 and headers.get("connection") == "close" and b"malformed" in body
+
+
+def test_a_large_json_body_is_decoded_and_encoded_on_a_helper_thread(served, reference):
+    from dataclasses import replace
+
+    app = served.door.app
+    limits = app.limits
+    app.limits = replace(limits, offload_bytes=1024)
+    try:
+        threads_before = {t.name for t in threading.enumerate()}
+        r = httpx.post(f"http://{served.url}/v2/models/mio/infer", json=_json_body(batch=30), timeout=30)
+        assert r.status_code == 200
+        out = {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in r.json()["outputs"]}
+        np.testing.assert_allclose(out["scores"], reference.run(_inputs(30))["scores"], rtol=1e-5)
+        assert any(t.name.startswith("json") for t in threading.enumerate()) or any(
+            n.startswith("json") for n in threads_before)
+    finally:
+        app.limits = limits

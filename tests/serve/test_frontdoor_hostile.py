@@ -492,3 +492,49 @@ def test_unknown_frontdoor_settings_are_refused_by_name():
     assert DoorLimits.from_settings(2, {"max_buffered_mb": 8, "json_offload_kb": 1}).max_buffered_bytes == 8 << 20
     with pytest.raises(ReamerError, match="max_conections"):
         DoorLimits.from_settings(2, {"max_conections": 3})
+
+
+def test_request_bodies_held_by_all_connections_are_capped_with_503(job, reference):
+    """With the instance stopped, bodies of 0.9 MiB from separate connections wait in the job; the one that
+    would take the job past max_buffered_mb (3 MiB) gets 503 naming it, the others are answered after."""
+    worker = job.process.children()[0]
+    body = json.dumps(_json_body(batch=1, seed=3)).encode()
+    padded = body[:-1] + b" " * (900_000 - len(body)) + b"}"
+    conns = [_connect(job, timeout=60) for _ in range(5)]
+    statuses = []
+    try:
+        worker.suspend()
+        try:
+            for s in conns:
+                s.sendall(_post(padded, "Connection: close\r\n"))
+            early = {}
+            for i, s in enumerate(conns):
+                s.settimeout(0.5)
+                try:
+                    early[i] = s.recv(1 << 16)
+                except socket.timeout:
+                    continue
+            assert early and all(_status_of(d) == 503 and b"max_buffered_mb" in d for d in early.values())
+        finally:
+            worker.resume()
+        for i, s in enumerate(conns):
+            answer, _ = _read_all(s, 60)
+            statuses.append(_status_of(early.get(i, b"") + answer))
+    finally:
+        for s in conns:
+            s.close()
+    assert statuses.count(200) >= 3 and set(statuses) <= {200, 503}
+
+
+def test_refusals_are_logged_at_most_burst_lines_per_window(capsys):
+    from reamer.serve.frontdoor import ClientErrorLog
+
+    log = ClientErrorLog(burst=3, window_s=3600)
+    for i in range(10):
+        log(f"400 bad request {i}")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"reamer job: 400 bad request {i}" for i in range(3)]
+    log.window_s = 0  # the next line opens a new window and reports what was left out
+    log("400 again")
+    err = capsys.readouterr().err.splitlines()
+    assert "7 more refused requests not logged" in err[0] and err[1] == "reamer job: 400 again"
