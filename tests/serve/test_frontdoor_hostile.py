@@ -538,3 +538,22 @@ def test_refusals_are_logged_at_most_burst_lines_per_window(capsys):
     log("400 again")
     err = capsys.readouterr().err.splitlines()
     assert "7 more refused requests not logged" in err[0] and err[1] == "reamer job: 400 again"
+
+
+def test_the_agent_config_reaches_the_job_spec_and_its_limits(tmp_path):
+    from reamer.agent.config import load_config
+    from reamer.agent.inference import InferenceRecord, InferenceSupervisor
+    from reamer.serve.frontdoor import DoorLimits
+
+    config = load_config(None, {"inference.frontdoor.max_connections": 7, "inference.frontdoor.max_buffered_mb": 32,
+                                "inference.job_log_mb": 2, "inference.max_request_mb": 4})
+    supervisor = InferenceSupervisor(tmp_path, [0], max_request_mb=config.inference.max_request_mb)
+    supervisor.frontdoor = config.inference.frontdoor.model_dump()  # as the Agent wires it
+    supervisor.job_log_mb = config.inference.job_log_mb
+    rec = InferenceRecord(name="j", model="/m.onnx", kind="online", backend="onnxruntime", port=0,
+                          instances=[{"cpus": [1], "threads": 1, "max_batch": 2, "on_training": False}])
+    spec = JobSpec.from_json(supervisor.build_spec(rec).to_json())  # through the file the job reads
+    limits = DoorLimits.from_settings(spec.max_request_mb, spec.frontdoor)
+    assert limits.max_connections == 7 and limits.max_buffered_bytes == 32 << 20
+    assert limits.max_request_bytes == limits.max_pipelined_bytes == 4 << 20
+    assert limits.header_timeout_s == 60.0 and spec.log_max_mb == 2
