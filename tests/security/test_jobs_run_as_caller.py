@@ -11,6 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from reamer.api.client import ApiError
+from tests.agent.conftest import daemon_factory  # noqa: F401
 from tests.conftest import wait_for
 from tests.security.conftest import needs_root_for_users
 
@@ -91,3 +93,26 @@ def test_the_jobs_processes_run_as_the_user(as_user, user, files, secure_daemon)
         assert found.owner_uid == user.uid
     finally:
         assert as_user.call("DELETE", "/v1/inference-jobs/mine")[0] == 200
+
+
+def test_roots_jobs_run_as_the_configured_user(user, files, daemon_factory):
+    daemon = daemon_factory(inference={"run_as": user.name})
+    with pytest.raises(ApiError) as info:  # root's job is checked with run_as's rights too
+        daemon.client.deploy_inference(online("theirs", files["secret_model"]))
+    assert info.value.status == 400 and f"uid {user.uid}" in info.value.message
+    job = daemon.client.deploy_inference(online("theirs", files["model"]))
+    assert job.owner_uid == 0 and job.run_uid == user.uid
+    found = wait_for(lambda: (lambda j: j if j.pid or j.state == "failed" else None)(
+        daemon.client.get_inference_job("theirs")), timeout=60, what="the job to start or fail")
+    if found.state == "failed":
+        assert f"as uid {user.uid}" in found.message, found.message
+    else:
+        assert psutil.Process(found.pid).uids().real == user.uid
+    daemon.client.remove_inference("theirs")
+
+
+def test_an_unknown_run_as_user_is_named(daemon_factory, files):
+    daemon = daemon_factory(inference={"run_as": "no-such-user-reamer"})
+    with pytest.raises(ApiError) as info:
+        daemon.client.deploy_inference(online("x", files["model"]))
+    assert 400 <= info.value.status < 500 and "no-such-user-reamer" in info.value.message and "useradd" in info.value.fix
