@@ -34,6 +34,8 @@ from reamer.host.identity import pid_max, process_facts
 from reamer.host.sched import rt_throttling
 from reamer.host.topology import Topology, read_topology
 from reamer.plan.coretable import AllocationError, CoreTable
+from reamer.serve.backends import BACKENDS
+from reamer.serve.model_check import load_problem
 
 log = logging.getLogger("reamer.agent")
 
@@ -506,6 +508,12 @@ class Agent:
             rec.memory_limit_mb = req.get("memory_limit_mb")
             rec.run_uid, rec.run_gid = runner.uid, runner.gid
             cpus = self._online_free_cpus()
+        # a backend that cannot open the model is refused now, with the runtime's reason (outside the lock:
+        # the model is opened in a child process); "auto" leaves it to the search, where only backends that
+        # ran the model can win
+        refused = load_problem(rec.backend, rec.model) if rec.backend in BACKENDS else None
+        if refused is not None:
+            raise InvalidRequest(refused.message, refused.fix)
         if rec.kind == "online" and rec.layout is None:
             apply_choice(rec, choose_for(self.choose_layout, rec, cpus), cpus)
             if rec.layout is None:  # no search possible: one instance over all free cores
