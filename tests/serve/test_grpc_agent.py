@@ -35,7 +35,7 @@ def _infer(target: str, name: str, x: np.ndarray) -> np.ndarray:
     return tgrpc.InferenceServerClient(target).infer(name, [i]).as_numpy("output")
 
 
-def test_an_online_job_gets_a_grpc_port_and_answers_tritonclient_grpc(daemon, tiny_model):
+def test_an_online_job_gets_a_grpc_port_and_answers_tritonclient_grpc(daemon, tiny_model):  # noqa: F811
     job = daemon.client.deploy_inference({"name": "rpc", "model": tiny_model, "kind": "online", "slo_ms": 500,
                                           "layout": "1x1:b4"})
     assert job.grpc_port and job.port and job.grpc_port != job.port
@@ -58,7 +58,7 @@ def test_an_online_job_gets_a_grpc_port_and_answers_tritonclient_grpc(daemon, ti
     assert "grpc port" in shown.output and "grpc target" in shown.output and again.grpc_target in shown.output
 
 
-def test_deploy_takes_the_grpc_port_asked_for_and_refuses_the_rest_port(daemon, tiny_model):
+def test_deploy_takes_the_grpc_port_asked_for_and_refuses_the_rest_port(daemon, tiny_model):  # noqa: F811
     import socket
 
     with socket.socket() as s:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -256,6 +256,26 @@ def test_rest_and_grpc_clients_at_once_on_the_same_job(job, reference):
     # both doors count in the job's one set of request stats
     wait_for(lambda: job.read_status().requests >= before + 4 * rounds, timeout=30,
              what="status.json to count the REST and gRPC requests")
+
+
+def test_an_instance_killed_mid_request_is_unavailable_then_grpc_serves_from_its_restart(job, reference):
+    """The job restarts the instance (a new process, while the gRPC server runs) and answers again."""
+    (worker,) = job.workers
+    feeds = _inputs(1)
+    worker.suspend()
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(lambda: tgrpc.InferenceServerClient(job.grpc).infer("mio", _triton_inputs(feeds)))
+        time.sleep(1.0)  # the request reaches the stopped instance (the job hands it over within ms)
+        assert not held.done()
+        worker.kill()
+        with pytest.raises(InferenceServerException) as err:
+            held.result(60)
+    assert err.value.status() == "StatusCode.UNAVAILABLE" and "crashed" in err.value.message(), err.value
+    c = tgrpc.InferenceServerClient(job.grpc)
+    wait_for(lambda: c.is_model_ready("mio"), timeout=90, what="the instance's restart")
+    job.workers = job._workers()
+    res = c.infer("mio", _triton_inputs(feeds))
+    np.testing.assert_array_equal(res.as_numpy("id_sum"), reference.run(feeds)["id_sum"])
 
 
 def test_grpc_and_rest_ports_are_in_the_status_and_differ(job):
