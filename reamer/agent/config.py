@@ -124,6 +124,8 @@ class SecurityConfig(_Section):
     max_body_kb: int = Field(default=256, ge=1, le=65536)
     # Long-polls (GET /v1/events?wait=) open at once; more get 429 (they never hold worker threads).
     max_long_polls: int = Field(default=64, ge=1, le=10000)
+    # Connections and requests the API serves at once; beyond them: 503 (bounds the agent's memory and fds).
+    max_connections: int = Field(default=256, ge=8, le=100000)
 
 
 class AgentConfig(_Section):

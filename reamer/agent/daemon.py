@@ -128,7 +128,8 @@ def run_daemon(config: AgentConfig | str | Path | None = None, overrides: dict[s
     if notifier.enabled and watchdog_usec:
         agent.on_reconcile.append(lambda _duration: notifier.notify("WATCHDOG=1"))
 
-    server = make_server(build_app(agent), log_level=cfg.log_level)  # tells the API who calls (SO_PEERCRED)
+    server = make_server(build_app(agent), log_level=cfg.log_level,  # tells the API who calls (SO_PEERCRED)
+                         max_connections=cfg.security.max_connections)
 
     def announce_ready() -> None:
         while not server.started and not server.should_exit:

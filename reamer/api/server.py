@@ -45,7 +45,10 @@ class PeerCredProtocol(_BaseProtocol):  # type: ignore[misc,valid-type]
         self.app = _WithPeer(self.app, peer)
 
 
-def make_server(app: Any, log_level: str = "info", timeout_graceful_shutdown: int = 3) -> uvicorn.Server:
-    """A uvicorn server for `app` that tells it who is calling; run it with server.run(sockets=[sock])."""
+def make_server(app: Any, log_level: str = "info", timeout_graceful_shutdown: int = 3,
+                max_connections: int | None = None) -> uvicorn.Server:
+    """A uvicorn server for `app` that tells it who is calling; run it with server.run(sockets=[sock]).
+    Beyond `max_connections` connections or requests in progress it answers 503."""
     return uvicorn.Server(uvicorn.Config(app, http=PeerCredProtocol, log_level=log_level, access_log=False,
-                                         lifespan="off", timeout_graceful_shutdown=timeout_graceful_shutdown))
+                                         lifespan="off", timeout_graceful_shutdown=timeout_graceful_shutdown,
+                                         limit_concurrency=max_connections))
