@@ -119,6 +119,46 @@ def measure_streams(path: Path, family: str, cpus: list[int], batches: list[int]
     return found
 
 
+def calibrate_by_ratio(family: str, options: dict[str, Any], cache_dir: Path, batches: list[int], cores: list[int],
+                       contention_batches: list[int], timing: dict[str, float], reference: dict[str, Any]) -> dict[str, Any]:
+    """BACKEND's points as same-run ratios to onnxruntime's: each (cores, batch) is measured on both backends
+    back to back (order alternating), and BACKEND's point is the stored onnxruntime point (`reference`, taken on
+    a quieter machine) times the ratio; batches beyond the measured ones hold the last ratio. A loaded machine
+    slows both alike, so the ratio keeps what the absolute figures lose. Contention is onnxruntime's (assumed
+    alike); the streams factor is measured (a same-run ratio itself)."""
+    path = model_file(family, options, cache_dir)
+    started, load_before = time.monotonic(), loadavg()
+    cpus_all = sorted(os.sched_getaffinity(0))
+    ratios: dict[int, dict[int, tuple[float, float]]] = {}
+    raw = []
+    for c in cores:
+        for i, b in enumerate(batches):
+            order = [BACKEND, "onnxruntime"] if i % 2 == 0 else ["onnxruntime", BACKEND]
+            got = {k: measure_point(path, k, c, b, cpus=cpus_all, **timing) for k in order}
+            mine, ref = got[BACKEND], got["onnxruntime"]
+            ratios.setdefault(c, {})[b] = (mine.throughput_rps / ref.throughput_rps, mine.p99_ms / ref.p99_ms)
+            raw.append({"cores": c, "batch": b, BACKEND: [mine.throughput_rps, mine.p99_ms],
+                        "onnxruntime": [ref.throughput_rps, ref.p99_ms]})
+            print(f"  {family} {c} core(s) batch {b}: {BACKEND}/onnxruntime throughput "
+                  f"{ratios[c][b][0]:.3f}, p99 {ratios[c][b][1]:.3f}", flush=True)
+    points = []
+    for p in reference["points"]:
+        table = ratios.get(p["cores"])
+        if not table:
+            continue
+        near = min(table, key=lambda b: abs(b - p["batch"]))
+        rps_ratio, p99_ratio = table[near]
+        points.append({"cores": p["cores"], "batch": p["batch"], "throughput_rps": p["throughput_rps"] * rps_ratio,
+                       "p99_ms": p["p99_ms"] * p99_ratio, "ratio_from_batch": near})
+    cpus = cpus_all[:2]
+    streams = measure_streams(path, family, cpus, contention_batches, timing) \
+        if len(cpus) == 2 and BACKEND == "openvino" else []
+    return {"options": options, "backend": BACKEND, "model_file": path.name, "points": points,
+            "contention": reference.get("contention", []), "streams": streams, "same_run": raw,
+            "method": "ratio to onnxruntime, same run", "load_before": load_before, "load_after": loadavg(),
+            "seconds": round(time.monotonic() - started, 1)}
+
+
 def calibrate_model(family: str, options: dict[str, Any], cache_dir: Path, batches: list[int], cores: list[int],
                     contention_batches: list[int], timing: dict[str, float],
                     previous: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -181,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=0.5, help="measurement window, s (at least one batch each)")
     p.add_argument("--max-windows", type=int, default=6)
     p.add_argument("--quick", action="store_true", help="smoke: batches 1,2,4; contention at batch 1")
+    p.add_argument("--ratio", action="store_true",
+                   help="(--backend openvino) points as same-run ratios to onnxruntime times its stored points")
     p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "openvino"),
                    help="onnxruntime: the top-level models; openvino: backends.openvino.models (with streams)")
     p.add_argument("--contention-only", action="store_true", help="keep the stored points, measure contention again")
@@ -224,8 +266,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.contention_only and not previous:
                 raise ReamerError(f"--contention-only: {family} has no stored points in {out_path}",
                                   "run the calibration of this model without --contention-only first")
-            entry = calibrate_model(family, MODELS[family], Path(args.model_dir), batches,
-                                    [int(x) for x in args.cores.split(",")], contention_batches, timing, previous)
+            if args.ratio and BACKEND != "onnxruntime":
+                entry = calibrate_by_ratio(family, MODELS[family], Path(args.model_dir), batches,
+                                           [int(x) for x in args.cores.split(",")], contention_batches, timing,
+                                           data["models"][family])
+            else:
+                entry = calibrate_model(family, MODELS[family], Path(args.model_dir), batches,
+                                        [int(x) for x in args.cores.split(",")], contention_batches, timing, previous)
             entry["measured_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             target["models"][family] = entry
             tmp = out_path.with_name(f".{out_path.name}.tmp")
