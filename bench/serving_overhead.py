@@ -11,6 +11,8 @@ nothing queues, against the same inference called the same way directly in a pro
 
     .venv/bin/python bench/serving_overhead.py                       # resnet50 + bert-base, 3 trials
     .venv/bin/python bench/serving_overhead.py --quick --out /tmp/so # tiny model, smoke run
+    # the REST front door on the acceptance suite's exported BERT (transformers + torch.onnx), binary and JSON tensors:
+    .venv/bin/python bench/serving_overhead.py --models exported:bert --online-only --encodings binary,json --trials 3
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,6 +47,19 @@ from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus  # noqa: E402
 
 HEADING = "## Serving overhead (issue 3)"
 MODEL_OPTIONS = {"resnet50": {}, "bert-base": {"layers": 12, "seq_len": 128}, "tiny": {}, "mobilenetv2": {}}
+# "exported:NAME": a model made by the real exporters, from the acceptance suite's builder (cached; needs the
+# test extra to build: torch, transformers)
+EXPORTED = "exported:"
+
+
+def exported_model(family: str, seq: int) -> tuple[str, dict[str, np.ndarray]]:
+    """(path, one request's inputs with valid token ids at `seq`) of an exported model."""
+    from tests.acceptance.exported_models import SPECS, ensure_models
+
+    name = family[len(EXPORTED):]
+    if name not in SPECS:
+        raise SystemExit(f"no exported model {name!r}; choose from {', '.join(SPECS)}")
+    return str(ensure_models() / f"{name}.onnx"), SPECS[name].sample(1, seq=seq, seed=1)
 
 
 @dataclass
@@ -60,6 +76,8 @@ class Settings:
     client_cpu: int
     offline: bool = True
     online: bool = True
+    encodings: tuple[str, ...] = ("binary",)  # online REST tensors: "binary" always, "json" beside it on request
+    seq: int = 128  # sequence length of the requests to an exported sequence model
 
 
 @dataclass
@@ -99,7 +117,7 @@ cpus, threads, kind, model, n, gap, out, dims = sys.argv[1:9]
 os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
 from reamer.serve.backends import open_backend, sample_inputs
 b = open_backend(kind, model, int(threads))
-x = sample_inputs(b, 1, np.random.default_rng(1), dims=json.loads(dims))
+x = dict(np.load(sys.argv[9])) if len(sys.argv) > 9 else sample_inputs(b, 1, np.random.default_rng(1), dims=json.loads(dims))
 for _ in range(2):
     b.run(x)
 rng = np.random.default_rng(2)
@@ -118,7 +136,7 @@ cpus, threads, kind, model = sys.argv[1:5]
 os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
 from reamer.serve.backends import open_backend, sample_inputs
 b = open_backend(kind, model, int(threads))
-x = sample_inputs(b, 1, np.random.default_rng(1))
+x = dict(np.load(sys.argv[5])) if len(sys.argv) > 5 else sample_inputs(b, 1, np.random.default_rng(1))
 b.run(x); b.run(x)
 """
 
@@ -307,9 +325,10 @@ def ov_throughput_hint(model: str, cpus: list[int], samples: int, work: Path) ->
 
 # ------------------------------------------------------------------ online
 
-def online_direct(model: str, backend: str, cpu: int, n: int, gap_s: float, work: Path) -> list[float]:
+def online_direct(model: str, backend: str, cpu: int, n: int, gap_s: float, work: Path,
+                  inputs_file: Path | None = None) -> list[float]:
     out = work / "direct.json"
-    p = _py(_DIRECT, cpu, 1, backend, model, n, gap_s, out, "{}")
+    p = _py(_DIRECT, cpu, 1, backend, model, n, gap_s, out, "{}", *([inputs_file] if inputs_file else []))
     if p.wait(1800) != 0:
         raise RuntimeError("direct run failed")
     return json.loads(out.read_text())
@@ -419,6 +438,17 @@ def _raw_request(name: str, inputs: dict[str, np.ndarray], output_names: list[st
     return body, {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))}
 
 
+def _json_request(inputs: dict[str, np.ndarray], output_names: list[str]) -> tuple[bytes, dict[str, str]]:
+    """A v2 infer request with JSON tensors both ways (what curl users and the KServe client send), encoded once."""
+    from reamer.serve.tensors import numpy_to_v2
+
+    body = json.dumps({
+        "inputs": [{"name": k, "shape": list(a.shape), "datatype": numpy_to_v2(a.dtype), "data": a.ravel().tolist()}
+                   for k, a in inputs.items()],
+        "outputs": [{"name": o, "parameters": {"binary_data": False}} for o in output_names]}).encode()
+    return body, {"Content-Type": "application/json"}
+
+
 def _server_timing(header: str | None) -> dict[str, float]:
     out = {}
     for part in (header or "").split(","):
@@ -429,7 +459,8 @@ def _server_timing(header: str | None) -> dict[str, float]:
 
 
 def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, frontdoor_cpu: int, client_cpu: int,
-                  n: int, gap_s: float, work: Path, inputs: dict[str, np.ndarray]) -> dict[str, list[float]]:
+                  n: int, gap_s: float, work: Path, inputs: dict[str, np.ndarray],
+                  encodings: tuple[str, ...] = ("binary",)) -> dict[str, list[float]]:
     """Latency through the front door and of a direct call, interleaved request by request.
 
     Three ways take turns (order rotating), one request at a time after a random think time, so load
@@ -449,8 +480,11 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
     spec.save(work / "spec.json")
     proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(work / "spec.json")], cwd=ROOT)
     cpus = ",".join(map(str, instance.cpus))
-    direct = _py(_DIRECT_SERVER, cpus, instance.threads, backend, model, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    direct_tcp = _py(_DIRECT_TCP, cpus, instance.threads, backend, model, stdout=subprocess.PIPE)
+    inputs_file = work / "inputs.npz"  # the direct processes run on the very tensors the clients send
+    np.savez(inputs_file, **inputs)
+    direct = _py(_DIRECT_SERVER, cpus, instance.threads, backend, model, inputs_file, stdin=subprocess.PIPE,
+                 stdout=subprocess.PIPE)
+    direct_tcp = _py(_DIRECT_TCP, cpus, instance.threads, backend, model, inputs_file, stdout=subprocess.PIPE)
     tcp = None
     try:
         if direct.stdout.readline().strip() != "ready":
@@ -469,6 +503,18 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
             outputs = [triton.InferRequestedOutput(o, binary_data=True) for o in names]
         raw_body, raw_headers = _raw_request(name, inputs, names)
         plain = _PlainClient(st.port, f"/v2/models/{name}/infer", raw_body, raw_headers)
+        # JSON tensors both ways (--encodings json): the plain client and tritonclient with binary_data=False
+        plain_json, json_tensors, json_outputs = None, [], []
+        if "json" in encodings:
+            plain_json = _PlainClient(st.port, f"/v2/models/{name}/infer", *_json_request(inputs, names))
+            if triton is not None:
+                from tritonclient.utils import np_to_triton_dtype
+
+                for key, arr in inputs.items():
+                    t = triton.InferInput(key, list(arr.shape), np_to_triton_dtype(arr.dtype))
+                    t.set_data_from_numpy(arr, binary_data=False)
+                    json_tensors.append(t)
+                json_outputs = [triton.InferRequestedOutput(o, binary_data=False) for o in names]
         # the gRPC front door of the same job: a plain gRPC client and tritonclient.grpc
         rpc = _GrpcClient(st.grpc_port, name, inputs)
         triton_grpc, grpc_tensors = None, []
@@ -486,6 +532,7 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
                                                      "grpc": [], "tritonclient_grpc": []}
         in_job: list[float] = []
         in_job_grpc: list[float] = []
+        in_job_json: list[float] = []
 
         def via_http() -> tuple[float, float]:
             t0 = time.perf_counter()
@@ -519,6 +566,23 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
             took = (time.perf_counter() - t0) * 1e3
             return took, took - compute
 
+        def via_http_json() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            status, headers = plain_json.post()
+            took = (time.perf_counter() - t0) * 1e3
+            if status != 200:
+                raise RuntimeError(f"front door answered {status} to a JSON request")
+            timing = _server_timing(headers.get("server-timing"))
+            in_job_json.append(timing["total"] - timing["compute"])
+            return took, took - timing["compute"]
+
+        def via_triton_json() -> tuple[float, float]:
+            if client is None:
+                return float("nan"), float("nan")
+            t0 = time.perf_counter()
+            client.infer(name, json_tensors, outputs=json_outputs)
+            return (time.perf_counter() - t0) * 1e3, float("nan")
+
         def via_grpc() -> tuple[float, float]:
             t0 = time.perf_counter()
             timing = rpc.infer()
@@ -535,11 +599,15 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
 
         ways = {"http": via_http, "tritonclient": via_triton, "direct": via_direct, "direct_tcp": via_direct_tcp,
                 "grpc": via_grpc, "tritonclient_grpc": via_triton_grpc}
+        if plain_json is not None:
+            ways |= {"http_json": via_http_json, "tritonclient_json": via_triton_json}
+            lat |= {"http_json": [], "tritonclient_json": []}
         for _ in range(3):
             for way in ways.values():
                 way()
         in_job.clear()
         in_job_grpc.clear()
+        in_job_json.clear()
         rng = np.random.default_rng(2)
         order = list(ways)
         for i in range(n):
@@ -549,10 +617,12 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
         if client is not None:
             client.close()
         plain.close()
+        if plain_json is not None:
+            plain_json.close()
         rpc.close()
         if triton_grpc is not None:
             triton_grpc.close()
-        return {**lat, "in_job": in_job, "in_job_grpc": in_job_grpc}
+        return {**lat, "in_job": in_job, "in_job_grpc": in_job_grpc, "in_job_json": in_job_json}
     finally:
         os.sched_setaffinity(0, _ALL_CPUS)
         if direct.poll() is None:
@@ -597,7 +667,11 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
                      "offline": {}, "online": {}, "ov_compare": {}}
     fd_cpu, inst_cpu = settings.frontdoor_cpu, settings.instance_cpu
     for family in settings.models:
-        model = str(model_file(family, MODEL_OPTIONS.get(family, {}), models_dir))
+        exported_inputs = None
+        if family.startswith(EXPORTED):
+            model, exported_inputs = exported_model(family, settings.seq)
+        else:
+            model = str(model_file(family, MODEL_OPTIONS.get(family, {}), models_dir))
         with tempfile.TemporaryDirectory(prefix="reamer-so-") as tmp:
             work = Path(tmp)
             # --- offline, per backend and layout
@@ -646,17 +720,18 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
             if not settings.online:
                 continue
             n = settings.online_requests[family]
-            inputs = _inputs_for(model, 1, 1)
+            inputs = exported_inputs if exported_inputs is not None else _inputs_for(model, 1, 1)
+            np.savez(work / "probe-inputs.npz", **inputs)
             backend = settings.backends[0]
             trials: list[dict[str, float]] = []
             # random think times (mean: one inference time, at least 20 ms) between single requests
-            probe = online_direct(model, backend, inst_cpu, 3, 0.0, work)
+            probe = online_direct(model, backend, inst_cpu, 3, 0.0, work, work / "probe-inputs.npz")
             gap = max(0.02, statistics.median(probe) / 1000.0)
             for t in range(settings.trials):
                 wd = work / f"online-{t}"
                 wd.mkdir()
-                lat = online_paired(model, backend, family.replace("-", "_"), InstanceSpec([inst_cpu], 1, 4), fd_cpu,
-                                    settings.client_cpu, n, gap, wd, inputs)
+                lat = online_paired(model, backend, re.sub(r"[^A-Za-z0-9_]", "_", family), InstanceSpec([inst_cpu], 1, 4),
+                                    fd_cpu, settings.client_cpu, n, gap, wd, inputs, tuple(settings.encodings))
 
                 def p50(key: str, part: int) -> float:
                     return statistics.median(x[part] for x in lat[key])
@@ -675,9 +750,17 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
                     "grpc_overhead_vs_pipe_ms": p50("grpc", 1) - p50("direct", 1),
                     "grpc_in_job_p50_ms": statistics.median(lat["in_job_grpc"]),
                     "tritonclient_grpc_p50_ms": p50("tritonclient_grpc", 0)})
+                if "http_json" in lat:  # the same front door with JSON tensors both ways
+                    trials[-1].update({
+                        "json_p50_ms": p50("http_json", 0), "json_noncompute_p50_ms": p50("http_json", 1),
+                        "json_overhead_ms": p50("http_json", 1) - p50("direct_tcp", 1),
+                        "json_in_job_p50_ms": statistics.median(lat["in_job_json"]),
+                        "tritonclient_json_p50_ms": p50("tritonclient_json", 0)})
             summary = {k: statistics.median(tr[k] for tr in trials) for k in trials[0]}
             results["online"][family] = {"trials": trials, "median": summary, "overheads": [tr["overhead_ms"] for tr in trials],
                                          "grpc_overheads": [tr["grpc_overhead_ms"] for tr in trials],
+                                         "json_overheads": [tr["json_overhead_ms"] for tr in trials if "json_overhead_ms" in tr],
+                                         "inputs": {k: [str(a.dtype), list(a.shape)] for k, a in inputs.items()},
                                          "gap_s": gap, "requests": n, "backend": backend, "loadavg": os.getloadavg()}
             print(f"online {family}: overhead {summary['overhead_ms']:.2f} ms (vs pipe {summary['overhead_vs_pipe_ms']:.2f}; "
                   f"front door {summary['http_noncompute_p50_ms']:.2f} ms besides compute, direct TCP "
@@ -758,6 +841,27 @@ def markdown(results: dict, command: str) -> str:
                              f"{md['tritonclient_grpc_p50_ms']:.1f} | {'yes' if md['grpc_overhead_ms'] <= 1.0 else 'no'} | "
                              f"{v['loadavg'][0]:.1f} |")
         lines.append("")
+        by_encoding = {k: v for k, v in results["online"].items() if "json_overhead_ms" in v["median"]}
+        if by_encoding:
+            lines += ["REST front door by tensor encoding: the same job and the same request through (a) with binary "
+                      "tensors both ways and with JSON tensors both ways (`binary_data: false`, what curl users and "
+                      "the KServe client send), each against the same direct TCP server (c). `exported:NAME` models "
+                      "come from the acceptance suite's builder (`tests/acceptance/exported_models.py`: bert is "
+                      "transformers' BertModel, 2 layers, hidden 64, exported by torch.onnx), sent one sample of "
+                      "real token ids.", "",
+                      "| model | backend | inputs | binary overhead (ms) | JSON overhead (ms) | JSON per trial | "
+                      "in the job binary / JSON (ms) | p50 direct TCP / binary / JSON / tritonclient binary / "
+                      "tritonclient JSON (ms) | load (1 min) |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for k, v in by_encoding.items():
+                md = v["median"]
+                shapes = ", ".join(f"{n} {d[0]} {d[1]}" for n, d in v.get("inputs", {}).items())
+                lines.append(f"| {k} | {v['backend']} | {shapes} | {md['overhead_ms']:.2f} | {md['json_overhead_ms']:.2f} | "
+                             f"{', '.join(f'{x:.2f}' for x in v['json_overheads'])} | {md['in_job_p50_ms']:.2f} / "
+                             f"{md['json_in_job_p50_ms']:.2f} | {md['direct_tcp_p50_ms']:.1f} / {md['http_p50_ms']:.1f} / "
+                             f"{md['json_p50_ms']:.1f} / {md['tritonclient_p50_ms']:.1f} / "
+                             f"{md['tritonclient_json_p50_ms']:.1f} | {v['loadavg'][0]:.1f} |")
+            lines.append("")
     if results["ov_compare"]:
         lines += ["OpenVINO's own THROUGHPUT hint (one process on all cpus, async infer requests, batch 1) vs "
                   "reamer's best measured offline layout per backend:", "",
@@ -861,6 +965,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offline-samples", type=int, default=None, help="samples per offline trial (default per model)")
     p.add_argument("--online-requests", type=int, default=None, help="requests per online trial (default per model)")
     p.add_argument("--layouts", default=None, help="comma-separated offline layouts (default 2x1:b1,1x2:b1,1x1:b1)")
+    p.add_argument("--encodings", default="binary",
+                   help="online REST tensor encodings: binary, or binary,json to measure JSON tensors both ways too")
+    p.add_argument("--seq", type=int, default=128,
+                   help="sequence length of the requests to an exported sequence model (--models exported:bert)")
     p.add_argument("--render", default=None,
                    help="comma-separated serving_overhead.json files of earlier runs: merge them and write the "
                         "section without measuring")
@@ -898,7 +1006,7 @@ def main(argv: list[str] | None = None) -> int:
                          for m in models},
         backends=args.backends.split(","), ov_compare=not args.no_ov_compare,
         **_placement(_ALL_CPUS), offline=not args.online_only,
-        online=not args.offline_only)
+        online=not args.offline_only, encodings=tuple(args.encodings.split(",")), seq=args.seq)
     command = "python bench/serving_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
     results = run(settings, Path(args.out), command.strip())
     body = markdown(results, command.strip())
