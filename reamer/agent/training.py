@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -39,6 +40,7 @@ log = logging.getLogger("reamer.training")
 CPU = "cpu"
 CPUSET = "cpuset"
 IN_PLACE, SCOPE, OWN = "in-place", "scope", "own"
+EFFECTIVE_WAIT_S = 5.0
 
 
 class RtThrottlingDisabled(HostError):
@@ -255,7 +257,7 @@ class TrainingPinner:
                 if self.driver.version == 2:
                     change_log.enable_cpuset_controller(placement.cpuset_path)
                 change_log.set_cpuset(placement.cpuset_path, cpus)
-            effective = cgroups.read_cpuset_effective(self.driver, placement.cpuset_path)
+            effective = self._wait_effective(placement.cpuset_path, cpus)
             if sorted(effective) != sorted(cpus):
                 raise HostError(
                     f"cgroup {placement.cpuset_path!r} runs on cpus {format_cpulist(effective)}, not the job's "
@@ -275,6 +277,16 @@ class TrainingPinner:
             self._reserve(job, change_log, self.budget_share(self._budget_jobs()))
         if placement.own_cpu:
             change_log.move(placement.cpu_path, CPU, procs)
+
+    def _wait_effective(self, path: str, cpus: list[int], timeout: float = EFFECTIVE_WAIT_S) -> list[int]:
+        """The cgroup's effective cpus once they are the job's (systemd applies AllowedCPUs= from its event
+        loop, after it answered), or what they are when `timeout` runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            effective = cgroups.read_cpuset_effective(self.driver, path)
+            if sorted(effective) == sorted(cpus) or time.monotonic() > deadline:
+                return effective
+            time.sleep(0.05)
 
     # --- RT budget ---
 

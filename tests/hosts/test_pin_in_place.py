@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from reamer.host.container import container_cgroup
 from reamer.host.cpulist import format_cpulist
 from tests.hosts.helpers import Workload, all_threads, api, cgroup_text, main_pid, sh, wait_active, wait_for
 
@@ -75,12 +76,15 @@ def test_container_is_pinned_in_place_with_its_limits_and_restored_after_an_agen
     try:
         wait_for(lambda: len(container_pids(engine, cid)) >= 3, timeout=90, what="the container's sleeps")
         pids = container_pids(engine, cid)
+        pid = pids[0]
         homes = {pid: cgroup_text(pid) for pid in pids}
-        ccg = os.path.commonpath([unified_path(p) for p in pids])
-        ccg = next(part for part in [ccg, os.path.dirname(ccg)] if cid in part)  # podman nests .../container
+        ccg = container_cgroup(unified_path(pid)) or ""  # the cgroup reamer pins: the container's own
         ccg_dir = CG / ccg
+        assert ccg and cid in ccg, f"container {cid} lives in {unified_path(pid)!r}"
         cpus_before = (ccg_dir / "cpuset.cpus").read_text().strip() if (ccg_dir / "cpuset.cpus").exists() else None
-        memory_max, pids_max = (ccg_dir / "memory.max").read_text().strip(), (ccg_dir / "pids.max").read_text().strip()
+        # the runtime puts its limits on the container's cgroup or on the one it nests inside (crun: .../container)
+        limit_dir = next(d for d in (CG / unified_path(pid), ccg_dir) if (d / "memory.max").read_text().strip() != "max")
+        memory_max, pids_max = (limit_dir / "memory.max").read_text().strip(), (limit_dir / "pids.max").read_text().strip()
         assert memory_max == str(64 << 20) and pids_max == "40", (memory_max, pids_max)
 
         job = api("POST", "/v1/training-jobs", {"name": name, "container": cid[:12], "cores": 1})
@@ -94,18 +98,18 @@ def test_container_is_pinned_in_place_with_its_limits_and_restored_after_an_agen
         if unit.endswith(".scope"):  # the systemd cgroup driver: systemd's view agrees with the kernel's
             shown = sh(["systemctl", "show", unit, "-p", "AllowedCPUs", "--value"]).strip()
             assert shown == format_cpulist(cpus), f"systemd says AllowedCPUs={shown!r}"
-        assert (ccg_dir / "memory.max").read_text().strip() == memory_max
-        assert (ccg_dir / "pids.max").read_text().strip() == pids_max
+        assert (limit_dir / "memory.max").read_text().strip() == memory_max
+        assert (limit_dir / "pids.max").read_text().strip() == pids_max
         stats = sh([engine, "stats", "--no-stream", "--format", "{{.PIDs}}", cid], timeout=180).strip()
         assert stats.isdigit() and int(stats) >= 3, f"{engine} stats counts {stats!r} processes"
         device = sh([engine, "exec", cid, "/bin/busybox", "sh", "-c",
                      "/bin/busybox mknod /tmp/mem c 1 1 2>&1; /bin/busybox head -c 1 /tmp/mem 2>&1; echo rc=$?"],
                     timeout=180, check=False)
         assert "rc=0" not in device, f"a host device was readable from the attached container: {device!r}"
-        oom_before = sum(int(line.split()[1]) for line in (ccg_dir / "memory.events").read_text().splitlines()
+        oom_before = sum(int(line.split()[1]) for line in (limit_dir / "memory.events").read_text().splitlines()
                          if line.startswith("oom_kill "))
         hog = sh([engine, "exec", cid, "/bin/busybox", "sort", "/dev/zero"], timeout=300, check=False)
-        oom_after = sum(int(line.split()[1]) for line in (ccg_dir / "memory.events").read_text().splitlines()
+        oom_after = sum(int(line.split()[1]) for line in (limit_dir / "memory.events").read_text().splitlines()
                         if line.startswith("oom_kill "))
         assert oom_after > oom_before, f"allocating past memory.max was not OOM-killed in the container: {hog!r}"
         assert sh([engine, "inspect", "-f", "{{.State.Running}}", cid]).strip() == "true"
