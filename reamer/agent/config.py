@@ -29,8 +29,8 @@ class _Section(BaseModel):
 class TrainingConfig(_Section):
     # SCHED_RR priority of every training thread (1..99).
     priority: int = Field(default=50, ge=1, le=99)
-    # Real-time budget (µs per cpu.rt_period_us, per CPU) of the shared training cpu cgroup and its
-    # parent. It must stay below the root's 950000 so the kernel's RT throttling keeps working.
+    # Real-time budget (µs per cpu.rt_period_us, per CPU; v1 RT group scheduling): the cap for all attached
+    # jobs together, held only while jobs are attached. Below the root's 950000 so RT throttling keeps working.
     rt_runtime_us: int = Field(default=900000, ge=1000, le=950000)
 
 
