@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import struct
 import sys
 import time
 import traceback
@@ -137,7 +138,8 @@ def decode_infer_request(req: Any, model_inputs: list[TensorInfo], model_outputs
         outputs.append(out.name)
     types = {t.name: t.datatype for t in model_outputs}
     wanted = outputs or known
-    answer_raw = bool(raw) or not inputs or any(CONTENTS_FIELD.get(types[n]) is None for n in wanted)
+    answer_raw = bool(raw) or not inputs or any(CONTENTS_FIELD.get(types[n]) is None and types[n] != "BYTES"
+                                                for n in wanted)
     return DecodedGrpcRequest(inputs, wanted, answer_raw)
 
 
@@ -148,7 +150,13 @@ def encode_infer_response(model_name: str, request_id: str, decoded: DecodedGrpc
     for name in decoded.outputs:
         arr = np.asarray(outputs[name])
         out = resp.outputs.add(name=name, datatype=types[name], shape=arr.shape)
-        if decoded.raw:
+        if types[name] == "BYTES":  # string outputs: each element as bytes
+            items = [x if isinstance(x, bytes) else str(x).encode() for x in arr.reshape(-1).tolist()]
+            if decoded.raw:  # Triton's raw BYTES layout: a 4-byte little-endian length before each element
+                resp.raw_output_contents.append(b"".join(struct.pack("<I", len(x)) + x for x in items))
+            else:
+                out.contents.bytes_contents.extend(items)
+        elif decoded.raw:
             resp.raw_output_contents.append(le_bytes(arr))
         else:
             getattr(out.contents, CONTENTS_FIELD[types[name]]).extend(arr.reshape(-1).tolist())

@@ -460,3 +460,33 @@ def test_a_grpc_port_in_use_fails_the_start_with_the_fix():
         with pytest.raises(ReamerError) as err:
             asyncio.run(door.start())
     assert f"127.0.0.1:{port}" in str(err.value) and "grpc_port" in str(err.value)
+
+
+def test_string_outputs_come_back_as_bytes_raw_and_typed(tmp_path):
+    """A model with a BYTES (string) output: Triton's length-prefixed raw layout for tritonclient.grpc,
+    bytes_contents for a typed request."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Cast", ["x"], ["label"], to=TensorProto.STRING)], "strings",
+                              [helper.make_tensor_value_info("x", TensorProto.INT32, ["batch", 2])],
+                              [helper.make_tensor_value_info("label", TensorProto.STRING, ["batch", 2])])
+    path = tmp_path / "strings.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    j = RunningJob(str(path), tmp_path, name="strings")
+    try:
+        x = np.array([[7, -12], [0, 123456]], dtype=np.int32)
+        want = np.array([[b"7", b"-12"], [b"0", b"123456"]], dtype=object)
+        i = tgrpc.InferInput("x", [2, 2], "INT32")
+        i.set_data_from_numpy(x)
+        got = tgrpc.InferenceServerClient(j.grpc).infer("strings", [i]).as_numpy("label")
+        assert got.shape == (2, 2) and got.tolist() == want.tolist()
+        req = pb.ModelInferRequest(model_name="strings")
+        req.inputs.add(name="x", datatype="INT32", shape=[2, 2]).contents.int_contents.extend(x.ravel().tolist())
+        channel, infer = _rpc(j.grpc, "ModelInfer")
+        with channel:
+            resp = infer(req, timeout=60)
+        (out,) = resp.outputs
+        assert out.datatype == "BYTES" and list(out.contents.bytes_contents) == want.ravel().tolist()
+    finally:
+        assert j.stop() == 0
