@@ -155,6 +155,13 @@ def test_tritonclient_infer_equals_onnxruntime(job, reference, batch):
     np.testing.assert_array_equal(res.as_numpy("id_sum"), want["id_sum"])
 
 
+@pytest.mark.parametrize("compression", ["gzip", "deflate"])
+def test_compressed_requests_and_answers(job, reference, compression):
+    feeds = _inputs(MAX_BATCH, seed=5)
+    res = tgrpc.InferenceServerClient(job.grpc).infer("mio", _triton_inputs(feeds), compression_algorithm=compression)
+    np.testing.assert_array_equal(res.as_numpy("scores"), reference.run(feeds)["scores"])
+
+
 def test_typed_contents_from_a_plain_kserve_v2_client_come_back_typed(job, reference):
     feeds = _inputs(3, seed=9)
     req = pb.ModelInferRequest(model_name="mio", id="k1")
