@@ -22,7 +22,7 @@ from lab.vm import run_profile
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "build" / "lab"
-PROFILE_TIMEOUT_S = float(os.environ.get("REAMER_LAB_PROFILE_TIMEOUT", 900))
+PROFILE_TIMEOUT_S = float(os.environ.get("REAMER_LAB_PROFILE_TIMEOUT", 1200))
 
 
 class Interrupted(Exception):

@@ -212,7 +212,18 @@ def tiny_model(into: str = "/srv/models") -> str:
 def deploy_online(name: str, model: str, layout: str = "1x1:b1") -> dict:
     api("POST", "/v1/inference-jobs", {"name": name, "model": model, "kind": "online", "slo_ms": 2000,
                                        "layout": layout})
-    return wait_for(lambda: serving(name), timeout=300, interval=2, what=f"online job {name} serving")
+    try:
+        return wait_for(lambda: serving(name), timeout=300, interval=2, what=f"online job {name} serving")
+    except pytest.fail.Exception:
+        pytest.fail(f"online job {name} never served: {job_evidence(name)}")
+
+
+def job_evidence(name: str) -> str:
+    """The agent's view of a job and the tail of its log, for failure messages."""
+    view = api("GET", f"/v1/inference-jobs/{name}")
+    log = Path(f"/run/reamer/jobs/{name}/job.log")
+    tail = log.read_text()[-3000:] if log.exists() else f"(no {log})"
+    return f"{view}\n--- {log} ---\n{tail}"
 
 
 def serving(name: str) -> dict | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.hosts.helpers import REPO, api, sh, tiny_model, wait_for
+from tests.hosts.helpers import REPO, api, job_evidence, sh, tiny_model, wait_for
 
 pytestmark = pytest.mark.profiles("v2-numa")  # the unit's options do not depend on the cgroup version
 UNIT = Path("/etc/systemd/system/reamer.service")
@@ -68,7 +68,7 @@ def test_offline_job_reads_from_tmp_and_writes_to_home_as_the_operator_sees_them
     try:
         job = wait_for(lambda: (j := api("GET", "/v1/inference-jobs/offline-paths"))["state"] in ("done", "failed") and j,
                        timeout=300, interval=2, what="the offline job finished")
-        assert job["state"] == "done", job
+        assert job["state"] == "done", job_evidence("offline-paths")
         found = sorted(p.name for p in outputs.glob("*.npz"))  # seen from outside the unit's namespace
         assert found == ["in0.npz", "in1.npz", "in2.npz"], found
     finally:
