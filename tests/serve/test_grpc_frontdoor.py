@@ -497,3 +497,22 @@ def test_string_outputs_come_back_as_bytes_raw_and_typed(tmp_path):
         assert out.datatype == "BYTES" and list(out.contents.bytes_contents) == want.ravel().tolist()
     finally:
         assert j.stop() == 0
+
+
+def test_a_job_whose_grpc_port_is_taken_fails_saying_so(model, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        spec = JobSpec(name="mio", kind="online", model=model, port=0, grpc_port=port, host="127.0.0.1",
+                       run_dir=str(tmp_path / "run"), instances=[InstanceSpec([CPUS[-1]], 1, 1)])
+        spec.save(tmp_path / "spec.json")
+        job = subprocess.run([sys.executable, "-m", "reamer.serve.job", "--spec", str(tmp_path / "spec.json")],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert job.returncode == 1, job.stderr[-2000:]
+    status = JobStatus.load(tmp_path / "run" / "status.json")
+    assert status.state == "failed"
+    assert f"cannot listen for gRPC on 127.0.0.1:{port}: Address already in use" in status.message
+    assert "grpc_port" in status.message and "Traceback" not in job.stderr
