@@ -22,7 +22,7 @@ def tiny(tmp_path_factory) -> str:
 def searched(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("search")
     result = CliRunner().invoke(cli, [
-        "-o", "json", "search", tiny, "--cores", "1", "--slo-ms", "1000", "--max-batch", "4",
+        "-o", "json", "search", tiny, "--backend", "onnxruntime", "--cores", "1", "--slo-ms", "1000", "--max-batch", "4",
         "--cache-dir", str(out / "cache"), "--csv", str(out / "runs.csv"), "--plot", str(out / "plot.png"),
         *FAST, "--verify-windows", "2"])
     return result, out
@@ -68,7 +68,7 @@ def test_search_writes_csv_of_every_measurement_and_a_png(searched):
 def test_search_reuses_the_profile_cache_and_prints_a_headline(searched, tiny):
     _, out = searched
     assert list((out / "cache").glob("*.json"))
-    result = CliRunner().invoke(cli, ["search", tiny, "--cores", "1", "--max-batch", "2",
+    result = CliRunner().invoke(cli, ["search", tiny, "--backend", "onnxruntime", "--cores", "1", "--max-batch", "2",
                                       "--cache-dir", str(out / "cache"), *FAST, "--verify-windows", "1"])
     assert result.exit_code == 0, result.output
     assert "best layout 1x1:b" in result.stdout
@@ -108,8 +108,8 @@ def test_profile_classifies_and_shows_evidence(tiny):
 
 
 def test_exhaustive_search_measures_the_whole_space(tiny):
-    result = CliRunner().invoke(cli, ["-o", "json", "search", tiny, "--cores", "1", "--max-batch", "2",
-                                      "--exhaustive", "--no-cache", *FAST, "--verify-windows", "1"])
+    result = CliRunner().invoke(cli, ["-o", "json", "search", tiny, "--backend", "onnxruntime", "--cores", "1",
+                                      "--max-batch", "2", "--exhaustive", "--no-cache", *FAST, "--verify-windows", "1"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["search"] == "exhaustive"
@@ -137,13 +137,17 @@ def test_profile_and_search_measure_the_traffic_shapes_and_data(bert, tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["points"]
     cache = tmp_path / "cache"
-    shaped = ["search", bert, "--cores", "1", "--max-batch", "1", "--cache-dir", str(cache), *FAST,
-              "--verify-windows", "1", "-o", "json"]
+    shaped = ["search", bert, "--backend", "onnxruntime", "--cores", "1", "--max-batch", "1", "--cache-dir",
+              str(cache), *FAST, "--verify-windows", "1", "-o", "json"]
     for shape in ("input_ids:1,128", "input_ids:1,32"):  # two traffics: two profile cache entries
         result = CliRunner().invoke(cli, [*shaped, "--shape", shape])  # the other inputs share its "seq"
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["samples"]["shapes"]["input_ids"] == [1, int(shape.rsplit(",", 1)[1])]
-    assert len(list(cache.glob("*.json"))) == 2
+    from reamer.serve.profile_cache import model_key
+    from reamer.serve.samples import SampleSpec
+
+    keys = {model_key(bert, "onnxruntime", samples=SampleSpec({"input_ids": (1, n)})) for n in (128, 32)}
+    assert len(keys) == 2 and keys <= {p.stem for p in cache.glob("*.json")}
 
 
 @pytest.mark.parametrize("args, message", [
