@@ -392,6 +392,9 @@ class DoorLimits:
     max_buffered_bytes: int = 4 * DEFAULT_MAX_REQUEST_BYTES  # bodies held by all connections: past it, 503
     write_high_water: int = 1 << 20  # unsent answer bytes over which a connection's next request waits
     offload_bytes: int = 1 << 16  # JSON bodies (and JSON answers) larger than this are coded off the loop
+    # after a refusal, what the client still sends is read and dropped this long before the connection is
+    # closed, so the refusal reaches it (closing with unread input sends a reset that can destroy it)
+    linger_s: float = 5.0
 
     @property
     def buffered_budget(self) -> int:
@@ -612,6 +615,7 @@ class _Connection(asyncio.Protocol):
         self._state, self._since = _IDLE, now  # parser state and when its clock started
         self._unsent, self._unsent_since = 0, now  # write buffer size at the last sweep, and since when stuck
         self._partial = 0  # bytes of the body being received
+        self._lingering_since: float | None = None  # refused: input is dropped until the client closes
         self._new_message()
 
     def _new_message(self) -> None:
@@ -642,7 +646,8 @@ class _Connection(asyncio.Protocol):
                                 "(its max_connections); retry shortly, or reuse a keep-alive connection",
                            **{"retry-after": "1"})
             transport.write(http_head(503, reply.content_type, len(reply.body), reply.headers, False) + reply.body)
-            transport.close()
+            self._linger()
+            asyncio.get_running_loop().call_later(self.limits.linger_s, transport.abort)
             return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -789,6 +794,9 @@ class _Connection(asyncio.Protocol):
         if unsent == 0 or unsent < self._unsent:
             self._unsent_since = now
         self._unsent = unsent
+        if self._lingering_since is not None and now - self._lingering_since > self.limits.linger_s:
+            t.abort()
+            return
         if unsent and now - self._unsent_since > self.limits.send_timeout_s:
             self.door.log(f"connection from {self.peer} cut off: it took none of its answer for "
                           f"{self.limits.send_timeout_s:g} s (the job's send_timeout_s)")
@@ -878,8 +886,31 @@ class _Connection(asyncio.Protocol):
                 self._since = time.monotonic()  # the body's clock starts when the client is told to send it
                 self.transport.write(_CONTINUE)
             if not keep_alive:
-                self.transport.close()
+                if self._broken:
+                    self._linger()
+                else:
+                    self.transport.close()
                 return
+
+    def _linger(self) -> None:
+        """Half-close after a refusal and drop the client's input until it closes (FrontDoor's sweep ends
+        it after linger_s): a close with unread input would reset the connection and could destroy the
+        answer before the client read it (nginx's lingering close)."""
+        t = self.transport
+        if t is None:
+            return
+        self._lingering_since = time.monotonic()
+        if t.can_write_eof():
+            t.write_eof()
+        else:
+            t.close()
+            return
+        if self._paused:
+            self._paused = False
+            t.resume_reading()
+
+    def eof_received(self) -> bool:
+        return False  # the client is done sending: close (after what is left to write)
 
     def _write(self, reply: Reply, keep_alive: bool) -> None:
         head = http_head(reply.status, reply.content_type, len(reply.body), reply.headers, keep_alive)

@@ -247,10 +247,12 @@ def test_a_body_that_never_completes_gets_408_and_a_closed_connection(job, refer
 
 
 def test_an_idle_keep_alive_connection_is_closed(job):
-    with _connect(job) as s:
+    with _connect(job) as s, _connect(job) as silent:  # one after an answer, one that never sends a byte
         s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
         answer, closed = _read_all(s, LIMITS["idle_timeout_s"] + SLACK_S)
+        nothing, silent_closed = _read_all(silent, SLACK_S)
     assert _status_of(answer) == 200 and closed
+    assert nothing == b"" and silent_closed
 
 
 def test_a_client_that_never_reads_is_paused_then_cut_off_and_memory_stays_bounded(job, reference):
