@@ -29,6 +29,8 @@ BACKEND_ALIASES = {"ort": "onnxruntime", "onnx": "onnxruntime", "onnxruntime": "
 def canonical_backend(name: str) -> str | None:
     """The backend `name` means (ONNX Runtime, ORT, onnx-runtime, OpenVINO, ov, ...), or None."""
     return BACKEND_ALIASES.get(name.strip().lower().replace("-", "").replace("_", "").replace(" ", ""))
+
+
 STATUS_FILE = "status.json"
 EVENTS_FILE = "events.jsonl"
 # Temp files of write_atomic look like ".<name>.tmp-<pid>-<hex>": hidden, and never a final name.
