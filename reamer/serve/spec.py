@@ -217,11 +217,17 @@ class JobStatus:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "JobStatus":
-        return cls.from_json(Path(path).read_text())
+        # O_NOFOLLOW: the agent (root) reads this from a directory the job's user owns.
+        with open(path, "rb", opener=_no_follow) as fh:
+            return cls.from_json(fh.read().decode())
 
     def write(self, run_dir: str | os.PathLike) -> None:
         self.updated_at = time.time()
         write_atomic(Path(run_dir) / STATUS_FILE, self.to_json())
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def is_temp_file(name: str) -> bool:
@@ -283,10 +289,12 @@ def read_events(path: str | os.PathLike, since_offset: int = 0) -> tuple[list[di
     if path.is_dir():
         path = path / EVENTS_FILE
     try:
-        with open(path, "rb") as fh:
+        with open(path, "rb", opener=_no_follow) as fh:  # root reads it from the job user's directory
             fh.seek(since_offset)
             chunk = fh.read()
     except FileNotFoundError:
+        return [], since_offset
+    except OSError:  # a symlink planted there (ELOOP), or unreadable: nothing to forward
         return [], since_offset
     end = chunk.rfind(b"\n")
     if end < 0:

@@ -40,3 +40,15 @@ def test_startup_cleanup_deletes_only_its_own_plain_temp_files(tmp_path):
     planted.symlink_to(tmp_path / "elsewhere")
     OfflineRunner(inputs, outputs)
     assert not own.exists() and theirs.exists() and planted.is_symlink()
+
+
+def test_the_agent_does_not_follow_symlinks_planted_in_a_job_directory(tmp_path):
+    from reamer.serve.spec import EVENTS_FILE, STATUS_FILE, JobStatus, read_events
+
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"name": "x", "pid": 1, "message": "root-only content"}\n')
+    (tmp_path / STATUS_FILE).symlink_to(secret)
+    (tmp_path / EVENTS_FILE).symlink_to(secret)
+    with pytest.raises(OSError):
+        JobStatus.load(tmp_path / STATUS_FILE)
+    assert read_events(tmp_path) == ([], 0)
