@@ -48,6 +48,7 @@ from reamer.plan.simulator import (CalibratedBackends, CalibratedModel, calibrat
 
 SECTION = "## Layout search (issue 4)"
 SUBSECTION = "### Search quality: quick vs exhaustive"
+SUBSECTION_AUTO = "### Search quality with the backend dimension (issue 14)"
 CALIBRATION = BENCH / "search_calibration.json"
 QUALITY_TARGET, MEASURE_TARGET = 0.97, 0.05
 
@@ -304,13 +305,20 @@ def _pct(x: float | None) -> str:
 
 
 def render(data: dict) -> str:
+    auto = data.get("backends") == "auto"
     lines = [
         f"Command: `{data['command']}` · machine: {data['machine']['cpu_model']}, {data['machine']['cpus']} cpus · "
         f"load average at start {data['load_start']} · calibration: bench/search_calibration.json "
         f"(its load averages are in the Calibration section).",
         "",
-        "Simulator study (CalibratedModel from real 1-/2-core profiles + measured 2-instance contention; quick "
-        "search sees noisy measurements, its pick is scored by the noise-free truth; exhaustive best is exact). "
+        ("Simulator study with the backend dimension (CalibratedBackends: onnxruntime's CalibratedModel, and "
+         "OpenVINO's from same-run OpenVINO/onnxruntime ratios times onnxruntime's profile, with the measured factor "
+         "of one 2-stream instance against two 1-core instances; the quick search screens both backends, searches "
+         "those not clearly behind and tries streams; the exhaustive best is exact over every layout on every backend "
+         "and every streams layout, a knapsack checked against enumeration in tests/plan). " if auto else
+         "Simulator study (CalibratedModel from real 1-/2-core profiles + measured 2-instance contention; quick "
+         "search sees noisy measurements, its pick is scored by the noise-free truth; exhaustive best is exact). ")
+        + "Quick search sees noisy measurements, its pick is scored by the noise-free truth. "
         f"Target: ≥ {100 * QUALITY_TARGET:.0f} % of the exhaustive best with ≤ {100 * MEASURE_TARGET:.0f} % of its "
         f"measurements. SLOs: {', '.join(_slo_label(s) for s in data['slos'])}; "
         f"batches {', '.join(map(str, data['batches']))}; {data['seeds']} noise seeds.",
@@ -328,6 +336,22 @@ def render(data: dict) -> str:
     lines += ["", f"{met} of {len(data['rows'])} cases met both targets ({len(scored)} had a feasible layout). "
               f"Exact exhaustive = enumeration where enumerated: "
               f"{'yes' if all(s['enumeration_agrees'] for s in data['summary']) else 'NO'}."]
+    if auto:
+        picked: dict[str, int] = {}
+        for r in data["rows"]:
+            if r.get("quick_layout"):
+                key = parse_layout(r["quick_layout"]).backend or "?"
+                key += " with streams" if any(s.streams > 1 for s in parse_layout(r["quick_layout"]).instances) else ""
+                picked[key] = picked.get(key, 0) + 1
+        exact: dict[str, int] = {}
+        for r in data["rows"]:
+            if r.get("exhaustive_layout"):
+                key = parse_layout(r["exhaustive_layout"]).backend or "?"
+                exact[key] = exact.get(key, 0) + 1
+        dropped = sum(1 for r in data["rows"] if r.get("dropped"))
+        lines += [f"Picks by backend: {', '.join(f'{k} {v}' for k, v in sorted(picked.items()))}; exact best by "
+                  f"backend: {', '.join(f'{k} {v}' for k, v in sorted(exact.items()))}; a backend dropped at "
+                  f"screening in {dropped} of {len(data['rows'])} cases."]
     misses = [r for r in data["rows"] if not r["met"]]
     for r in misses[:8]:
         lines.append(f"- miss: {r['model']} {r['cores']} cores {_slo_label(r['slo_ms'])} noise {r['noise']} "
@@ -389,12 +413,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout-windows", type=int, default=3)
     p.add_argument("--model-dir", default="/tmp/reamer-bench-models")
     p.add_argument("--quick", action="store_true", help="smoke: first model, 16 cores, offline, one seed, no real")
+    p.add_argument("--backends", default="onnxruntime", choices=("onnxruntime", "auto"),
+                   help="auto: the search over every calibrated backend and OpenVINO streams (issue 14); "
+                        "simulator only, its own RESULTS subsection")
     p.add_argument("--out", default=str(BENCH / "out"))
     p.add_argument("--results-md", default=str(BENCH / "RESULTS.md"), help="'' to skip writing RESULTS.md")
     args = p.parse_args(argv)
 
     calibration = json.loads(Path(args.calibration).read_text())
-    models = [m for m in (args.models or ",".join(calibration.get("models", {}))).split(",") if m]
+    if args.backends == "auto":
+        args.skip_real = True
+        calibrated = calibrated_backends(calibration)
+        models = [m for m in (args.models or ",".join(calibrated)).split(",") if m]
+    else:
+        models = [m for m in (args.models or ",".join(calibration.get("models", {}))).split(",") if m]
     cores = [int(x) for x in args.cores.split(",")]
     slos = [_slo(x) for x in args.slos.split(",")]
     noises = [float(x) for x in args.noise.split(",")]
@@ -410,7 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         "noises": noises, "seeds": seeds, "batches": list(batches), "targets": {
             "ratio": QUALITY_TARGET, "measured_fraction": MEASURE_TARGET},
     }
-    data["rows"] = simulator_study(calibration, models, cores, slos, noises, seeds, batches, args.enumerate_limit)
+    data["backends"] = args.backends
+    data["rows"] = simulator_study(calibration, models, cores, slos, noises, seeds, batches, args.enumerate_limit,
+                                   args.backends)
     data["summary"] = summarise(data["rows"])
     data["real_skipped"] = args.skip_real and not args.reuse_real
     if args.reuse_real:
@@ -428,12 +462,13 @@ def main(argv: list[str] | None = None) -> int:
     data["load_end"] = loadavg()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "search_quality.json").write_text(json.dumps(data, indent=1))
+    name = "search_quality_auto.json" if args.backends == "auto" else "search_quality.json"
+    (out / name).write_text(json.dumps(data, indent=1))
     body = render(data)
     print(body)
     if args.results_md:
-        write_section(Path(args.results_md), SUBSECTION, body)
-    print(f"results: {out / 'search_quality.json'}")
+        write_section(Path(args.results_md), SUBSECTION_AUTO if args.backends == "auto" else SUBSECTION, body)
+    print(f"results: {out / name}")
     return 0
 
 
