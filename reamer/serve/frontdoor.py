@@ -9,8 +9,9 @@ when the requested output says `parameters.binary_data: true`, or the request sa
 `parameters.binary_data_output: true`; the response then carries the same header.
 An infer request whose outputs all go binary and that runs in a batch of its own is answered by its
 instance on the client's socket (reply-through, see `V2App.handle` and `v2wire`); the rest by this process.
-Errors are `{"error": "message"}`: 400 bad input, 404 unknown model or path, 405 wrong method,
-413 request too large, 503 overloaded / not ready. Every infer response carries a W3C `Server-Timing`
+Errors are `{"error": "message"}`: 400 bad input (the message names the field), 404 unknown model or
+path, 405 wrong method, 408 headers or body too slow, 413 request too large, 414 URL too long, 431 headers
+too large, 503 overloaded / not ready / too many connections or buffered bodies. Every infer response carries a W3C `Server-Timing`
 header: queue wait, backend compute and the whole time in the job (ms).
 
 The HTTP/1.1 layer is a small asyncio protocol over httptools (the C parser uvicorn uses), not an
