@@ -31,7 +31,11 @@ def bound_log(fd: int, max_bytes: int) -> bool:
         src = os.open(path, os.O_RDONLY)
         try:
             tmp = f"{path}.1.tmp-{os.getpid()}"
-            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, st.st_mode & 0o777)
+            try:
+                os.unlink(tmp)  # a leftover of a crash; O_EXCL below never writes through a planted link
+            except FileNotFoundError:
+                pass
+            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, st.st_mode & 0o777)
             try:
                 left = st.st_size
                 while left > 0:
