@@ -9,6 +9,7 @@ every undo writes the old value, and moves only what is still where reamer put i
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -38,6 +39,7 @@ class Change:
     before: Any = None
     after: Any = None
     homes: dict[str, str] = field(default_factory=dict)  # MOVE/SCOPE: pid -> the cgroup it came from
+    before_text: str | None = None  # UNIT_CPUS: the cgroup's cpuset.cpus as it was
 
     def to_doc(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,7 +106,8 @@ class ChangeLog:
         if state is None:
             raise HostError(f"systemd has no unit {unit} for cgroup {cgroup_path!r}",
                             "check the job is still running (systemctl status)")
-        change = self._record(Change(UNIT_CPUS, unit, cgroup_path, state.allowed_cpus, sorted(cpus)))
+        change = self._record(Change(UNIT_CPUS, unit, cgroup_path, state.allowed_cpus, sorted(cpus),
+                                     before_text=cgroups.read_cpuset_raw(self.driver, cgroup_path)))
         systemd.set_allowed_cpus(unit, change.after)
 
     def make_cgroup(self, path: str, controller: str) -> None:
@@ -197,6 +200,7 @@ class ChangeLog:
             systemd = self._need_systemd()
             if systemd.unit_state(change.target) is not None:
                 systemd.set_allowed_cpus(change.target, change.before or [])
+            self._settle_unit_cpuset(change)
         elif change.kind == SUBTREE:
             try:
                 cgroups.enable_controller(self.driver, change.target, "cpuset", False)  # type: ignore[arg-type]
@@ -222,6 +226,20 @@ class ChangeLog:
                         cgroups.rt_children_sum(self.driver, change.target))  # type: ignore[arg-type]
             if (self.driver.get_rt_runtime(change.target) or 0) > floor:
                 cgroups.write_rt_runtime(self.driver, change.target, floor)  # type: ignore[arg-type]
+
+    def _settle_unit_cpuset(self, change: Change, timeout: float = 5.0) -> None:
+        """systemd does not write cpuset.cpus back when AllowedCPUs= goes back to empty (no restriction):
+        put the file back as it was, so the kernel's view is the one systemd had before, too."""
+        path, wanted = change.controller, change.before_text
+        if wanted is None or not self.driver.exists(path):
+            return
+        expected = cgroups.parse_cpulist(wanted)
+        deadline = time.monotonic() + timeout
+        while cgroups.parse_cpulist(cgroups.read_cpuset_raw(self.driver, path)) != expected:
+            if not change.before or time.monotonic() > deadline:  # systemd will not write it: reamer does
+                cgroups.write_cpuset_raw(self.driver, path, wanted)
+                return
+            time.sleep(0.05)
 
     def _home(self, pid: int, homes: dict[str, str]) -> str:
         import psutil

@@ -75,6 +75,8 @@ class FakeSystemd:
     def set_allowed_cpus(self, unit: str, cpus) -> None:
         self.calls.append(("set", unit, list(cpus)))
         self.allowed[unit] = list(cpus)
+        if not cpus:
+            return  # like systemd: no restriction means it leaves cpuset.cpus as it is (seen in the lab)
         (self.root / "system.slice" / unit / "cpuset.cpus").write_text(cgroups.format_cpulist(cpus) + "\n")
         (self.root / "system.slice" / unit / "cpuset.cpus.effective").write_text(
             (cgroups.format_cpulist(cpus) or "0-7") + "\n")
@@ -139,6 +141,7 @@ def test_placement_and_attach_through_systemd(root: Path, proc: Path) -> None:
     pinner.placements["j"] = placement
     pinner.detach("j")
     assert systemd.calls[-1] == ("set", unit, []), "detach gives the unit back the AllowedCPUs= it had"
+    assert (root / "system.slice" / unit / "cpuset.cpus").read_text().strip() == "", "and the kernel its cpuset"
 
 
 def test_failed_attach_leaves_nothing_changed(root: Path, proc: Path) -> None:
