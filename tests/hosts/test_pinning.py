@@ -46,9 +46,13 @@ def test_attach_pins_every_thread_catches_late_ones_and_detach_restores(service,
                  what="the child listed among the job's pids")
     finally:
         api("DELETE", "/v1/training-jobs/pin")
-    for t in all_threads(workload.pid):
-        assert t.policy == os.SCHED_OTHER, f"thread {t.tid} still policy {t.policy} after detach"
-        assert t.affinity == before[workload.pid].affinity, (
-            f"thread {t.tid} may run on {sorted(t.affinity)} after detach, not on the cpus it had "
-            f"{sorted(before[workload.pid].affinity)}")
-    assert cgroup_text(workload.pid) == before_cgroup, "detach must leave the process in the cgroup it came from"
+
+    def restored() -> bool:  # systemd may apply a unit's AllowedCPUs= a moment after it answered
+        for t in all_threads(workload.pid):
+            assert t.policy == os.SCHED_OTHER, f"thread {t.tid} still policy {t.policy} after detach"
+            assert t.affinity == before[workload.pid].affinity, (
+                f"thread {t.tid} may run on {sorted(t.affinity)} after detach, not on the cpus it had "
+                f"{sorted(before[workload.pid].affinity)}")
+        assert cgroup_text(workload.pid) == before_cgroup, "detach must leave the process in the cgroup it came from"
+        return True
+    wait_for(restored, timeout=30, what="the workload restored after detach")
