@@ -246,9 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny model, one round: a smoke run")
     p.add_argument("--out", default=str(BENCH / "results" / "peers"))
     p.add_argument("--results-md", default=None)
+    p.add_argument("--render", default=None, metavar="JSON", help="write the section from a peers.json of a run")
     args = p.parse_args(argv)
     if args.peer:
         print(json.dumps(peer_main(json.loads(args.peer))))
+        return 0
+    if args.render:
+        text = render(json.loads(Path(args.render).read_text()))
+        print(text)
+        if args.results_md:
+            from colocation import update_results_md
+
+            update_results_md(args.results_md, "peers", SECTION + "\n\n" + text)
         return 0
     from search_calibration import loadavg, machine_info, model_file
 

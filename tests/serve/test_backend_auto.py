@@ -151,3 +151,23 @@ def test_chooser_plans_auto_from_both_cached_profiles(paths, tmp_path):
 def test_layout_on_keeps_the_instances():
     layout = Layout.uniform(2, 1, 4, backend="openvino")
     assert format_layout(layout) == "2x1:b4@openvino" and layout.on(None).instances == layout.instances
+
+
+@pytest.mark.skipif(len(installed_backends()) < 2, reason="needs onnxruntime and openvino installed")
+def test_cli_search_defaults_to_auto_and_says_what_screening_found(paths, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from reamer.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["-o", "json", "search", paths["tiny"], "--cores", "1", "--max-batch", "2",
+                                      "--cpus", str(CPUS[-1]), "--cache-dir", str(tmp_path / "cache"),
+                                      "--warmup-s", "0.05", "--window-s", "0.05", "--max-windows", "4",
+                                      "--verify-windows", "2"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    assert data["backends_searched"] == ["onnxruntime", "openvino"]
+    assert parse_layout(data["best"]["layout"]).backend == data["backend"]
+    assert {s["backend"] for s in data["screening"]} == {"onnxruntime", "openvino"}
+    assert all(s["throughput_rps"] for s in data["screening"])
