@@ -255,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         text = render(json.loads(Path(args.render).read_text()))
         print(text)
         if args.results_md:
-            from colocation import update_results_md
+            from results_md import replace_section
 
-            update_results_md(args.results_md, "peers", SECTION + "\n\n" + text)
+            replace_section(args.results_md, SECTION, text)
         return 0
     from search_calibration import loadavg, machine_info, model_file
 
@@ -291,9 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     text = render(data)
     print(text)
     if args.results_md and not args.quick:
-        from colocation import update_results_md
+        from results_md import replace_section
 
-        update_results_md(args.results_md, "peers", SECTION + "\n\n" + text)
+        replace_section(args.results_md, SECTION, text)
     return 0
 
 
