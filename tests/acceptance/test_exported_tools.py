@@ -4,6 +4,7 @@ the models with a sequence axis; and the deploy API's `shapes` and `input_data`.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +29,6 @@ def reamer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def last_cpu() -> str:
-    import os
-
     return str(max(os.sched_getaffinity(0)))
 
 
