@@ -4,6 +4,7 @@ exactly that URL."""
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import numpy as np
@@ -85,3 +86,23 @@ def test_default_job_listens_everywhere_and_its_url_works_from_another_namespace
     wait_for(lambda: _ready(f"http://127.0.0.1:{job.port}"), timeout=90, what="the job to be ready")
     done = netns.python(TRITON_CLIENT, job.url, "web")
     assert done.returncode == 0 and done.stdout.strip() == "(2, 4)", done.stderr
+
+
+def test_search_on_deploy_measures_the_traffic_and_caches_it_under_its_shapes(daemon_factory, tmp_path):
+    from reamer.serve.profile_cache import ProfileCache, model_key
+    from reamer.serve.samples import SampleSpec
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs: one reserved for the agent, one free for the online job")
+    bert = build_bertlike(tmp_path / "bertlike.onnx", hidden=32)
+    daemon = daemon_factory(reserved_cpus=[cpus[0]], inference={
+        "search_budget_s": 60, "search_max_batch": 2, "search_warmup_s": 0.05, "search_window_s": 0.05})
+    job = daemon.client.deploy_inference({"name": "seq96", "model": bert, "kind": "online", "slo_ms": 1000,
+                                          "rate_rps": 1, "backend": "onnxruntime",
+                                          "shapes": {"input_ids": [1, 96]}})
+    assert job.state == "running", job.message
+    cache = ProfileCache(daemon.state_dir / "profiles")
+    assert cache.get(model_key(bert, "onnxruntime", samples=SampleSpec({"input_ids": (1, 96)})))
+    assert cache.get(model_key(bert, "onnxruntime")) is None  # not filed as the default (seq 16) traffic
+    daemon.client.remove_inference("seq96")
