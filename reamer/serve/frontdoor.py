@@ -557,8 +557,10 @@ class V2App:
         except ReplyBroken as exc:
             print(f"reamer job: {exc}", file=sys.stderr)
             return Reply(200, b"", sent=True, close=True)
+        except InferenceFailed as exc:  # the runtime refused these inputs: the client's to fix
+            return _error(400, str(exc))
         except (Overloaded, NotReady, WorkerError) as exc:
-            return _error(500 if isinstance(exc, InferenceFailed) else 503, str(exc))
+            return _error(503, str(exc))
         finally:
             if reply_to is not None:
                 os.close(reply_to[0])

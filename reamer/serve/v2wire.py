@@ -51,9 +51,15 @@ def server_timing(queue_s: float, compute_s: float, total_s: float) -> str:
 
 
 def le_bytes(a: np.ndarray) -> bytes:
-    """The raw bytes of a tensor, C order, little-endian (what the binary extension carries)."""
+    """The raw bytes of a tensor, C order, little-endian (what the binary extension carries).
+
+    BYTES (object) tensors use Triton's layout: each element as a 4-byte little-endian length and its bytes.
+    """
     import numpy as np
 
+    if a.dtype.kind in "OSU":
+        items = [x if isinstance(x, bytes) else str(x).encode() for x in a.reshape(-1).tolist()]
+        return b"".join(len(x).to_bytes(4, "little") + x for x in items)
     if a.dtype.byteorder != ">" and a.flags.c_contiguous:
         return a.tobytes()
     return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()

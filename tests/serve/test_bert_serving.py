@@ -125,8 +125,6 @@ def test_model_errors_leave_the_instance_serving_and_carry_the_runtime_message(s
     assert not [e for e in events if e["kind"] in ("worker_crashed", "worker_restarted")]
 
 
-@pytest.mark.xfail(strict=True, reason="reamer/serve/frontdoor.py (helper frontdoor's file) still answers "
-                                       "InferenceFailed with 500; issue 12 wants 400 (remove this mark then)")
 def test_model_errors_are_400s(served):
     client = served[0]
     for feeds in (bert_feeds(1, 8, type_id=5), {**bert_feeds(1, 8), "attention_mask": np.ones((1, 9), np.int64)}):

@@ -495,6 +495,13 @@ def test_string_outputs_come_back_as_bytes_raw_and_typed(tmp_path):
             resp = infer(req, timeout=60)
         (out,) = resp.outputs
         assert out.datatype == "BYTES" and list(out.contents.bytes_contents) == want.ravel().tolist()
+        rest = thttp.InferenceServerClient(j.rest)  # REST: binary (length-prefixed) and JSON string outputs
+        h = thttp.InferInput("x", [2, 2], "INT32")
+        h.set_data_from_numpy(x)
+        for binary in (True, False):
+            out = rest.infer("strings", [h], outputs=[thttp.InferRequestedOutput("label", binary_data=binary)])
+            got = out.as_numpy("label")
+            assert [v if isinstance(v, bytes) else v.encode() for v in got.ravel().tolist()] == want.ravel().tolist()
     finally:
         assert j.stop() == 0
 
