@@ -1,0 +1,313 @@
+"""A serving peer (issue 14): MLServer with a plain onnxruntime runtime against reamer's online job, same
+model, same cpus, same tritonclient load.
+
+Both servers get the same cpus (default 0-1) and one 1-thread model instance: MLServer 1.7.1 running the
+model in its server process (`parallel_workers: 0`: its parallel inference worker dies at start here, "There is
+no current event loop in thread 'MainThread'") with a ten-line runtime (an onnxruntime InferenceSession, 1 thread, NumpyCodec in and
+out); reamer's job with one instance on the last cpu and its front door on all of them. The client is
+tritonclient.http on the first cpu: throughput at concurrency 4 (4 threads, one client each, closed loop) and
+p50 latency at concurrency 1, JSON tensors both ways (what MLServer decodes) and, for reamer, binary tensors
+too. Servers take turns round by round; figures are medians over rounds; ratios are reamer / MLServer.
+
+MLServer goes into a virtualenv of its own (`--venv`, made on first use with `pip install mlserver==1.7.1
+onnxruntime==<ours>`): it pins FastAPI/Starlette below the versions reamer runs on, so it cannot share the
+project's environment.
+
+    .venv/bin/python bench/mlserver_peer.py --results-md bench/RESULTS.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+for _p in (str(ROOT), str(BENCH)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+SECTION = "### A serving peer: MLServer (issue 14)"
+PARENT = "## Against each runtime's own tuning (issue 14)"
+RUNTIME = '''
+import onnxruntime as ort
+from mlserver import MLModel
+from mlserver.codecs import NumpyCodec
+from mlserver.types import InferenceResponse
+
+
+class OrtRuntime(MLModel):
+    async def load(self) -> bool:
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads, opts.inter_op_num_threads = 1, 1
+        self.session = ort.InferenceSession(self.settings.parameters.uri, opts, providers=["CPUExecutionProvider"])
+        return True
+
+    async def predict(self, payload):
+        feeds = {i.name: NumpyCodec.decode_input(i) for i in payload.inputs}
+        names = [o.name for o in self.session.get_outputs()]
+        values = self.session.run(names, feeds)
+        return InferenceResponse(model_name=self.name,
+                                 outputs=[NumpyCodec.encode_output(n, v) for n, v in zip(names, values)])
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_venv(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    mlserver = venv / "bin" / "mlserver"
+    if mlserver.exists():
+        return mlserver
+    import onnxruntime
+
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "mlserver==1.7.1",
+                    f"onnxruntime=={onnxruntime.__version__}"], check=True)
+    return mlserver
+
+
+def wait_ready(port: int, timeout: float, proc: subprocess.Popen) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server not ready in time")
+
+
+def start_mlserver(mlserver: Path, model: str, cpus: list[int], work: Path) -> tuple[subprocess.Popen, int]:
+    folder = work / "mlserver"
+    (folder / "model").mkdir(parents=True, exist_ok=True)
+    (folder / "runtime.py").write_text(RUNTIME)
+    port = free_port()
+    (folder / "settings.json").write_text(json.dumps({"http_port": port, "grpc_port": free_port(),
+                                                       "metrics_port": free_port(), "debug": False,
+                                                       "parallel_workers": 0}))
+    (folder / "model" / "model-settings.json").write_text(json.dumps({
+        "name": "model", "implementation": "runtime.OrtRuntime", "parameters": {"uri": model}}))
+    env = dict(os.environ, PYTHONPATH=str(folder), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(["taskset", "-c", ",".join(map(str, cpus)), str(mlserver), "start", str(folder)],
+                            cwd=folder, env=env, stdout=open(work / "mlserver.log", "wb"), stderr=subprocess.STDOUT)
+    wait_ready(port, 300, proc)
+    return proc, port
+
+
+def start_reamer(model: str, cpus: list[int], work: Path) -> tuple[subprocess.Popen, int]:
+    from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
+
+    run_dir = work / "reamer-run"
+    spec = JobSpec(name="model", kind="online", model=model, backend="onnxruntime", run_dir=str(run_dir), port=0,
+                   instances=[InstanceSpec([cpus[-1]], 1, 4)], frontdoor_cpus=list(cpus), host="127.0.0.1")
+    spec.save(work / "spec.json")
+    proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(work / "spec.json")], cwd=ROOT,
+                            stdout=open(work / "reamer.log", "wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            st = JobStatus.load(run_dir / "status.json")
+            if st.state == "ready" and st.port:
+                wait_ready(st.port, 60, proc)
+                return proc, st.port
+        except (FileNotFoundError, ValueError, OSError):
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"reamer job exited with {proc.returncode}")
+        time.sleep(0.1)
+    raise RuntimeError("reamer job not ready in time")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _request(inputs: dict[str, np.ndarray], binary: bool):
+    import tritonclient.http as triton
+    from tritonclient.utils import np_to_triton_dtype
+
+    tensors = []
+    for name, arr in inputs.items():
+        t = triton.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        t.set_data_from_numpy(arr, binary_data=binary)
+        tensors.append(t)
+    return tensors
+
+
+def load(port: int, inputs: dict[str, np.ndarray], outputs: list[str], binary: bool, concurrency: int,
+         seconds: float, requests: int) -> dict[str, float]:
+    """Closed loop: `concurrency` threads, one tritonclient each; throughput over `seconds`, or (concurrency 1)
+    the latencies of `requests` requests."""
+    import tritonclient.http as triton
+
+    def client():
+        c = triton.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=300, network_timeout=300)
+        wanted = [triton.InferRequestedOutput(o, binary_data=binary) for o in outputs]
+        return c, _request(inputs, binary), wanted
+
+    if concurrency == 1:
+        c, tensors, wanted = client()
+        c.infer("model", tensors, outputs=wanted)  # warm
+        lat = []
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            c.infer("model", tensors, outputs=wanted)
+            lat.append((time.perf_counter() - t0) * 1e3)
+        return {"p50_ms": statistics.median(lat), "n": len(lat)}
+    done, stop_at, errors = [0] * concurrency, [0.0], []
+
+    def worker(i: int) -> None:
+        c, tensors, wanted = client()
+        c.infer("model", tensors, outputs=wanted)
+        while time.perf_counter() < stop_at[0]:
+            try:
+                c.infer("model", tensors, outputs=wanted)
+                done[i] += 1
+            except Exception as exc:  # noqa: BLE001 - counted, reported
+                errors.append(str(exc))
+    stop_at[0] = time.perf_counter() + seconds + 1.0
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"rps": sum(done) / (time.perf_counter() - started), "errors": len(errors)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="resnet50,exported:bert")
+    p.add_argument("--cpus", default="0,1")
+    p.add_argument("--client-cpu", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--requests", type=int, default=20)
+    p.add_argument("--venv", default="/tmp/reamer-mlserver-venv")
+    p.add_argument("--model-dir", default="/tmp/reamer-bench-models")
+    p.add_argument("--out", default=str(BENCH / "results" / "mlserver_peer"))
+    p.add_argument("--results-md", default=None)
+    p.add_argument("--render", default=None, metavar="JSON")
+    args = p.parse_args(argv)
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+    else:
+        data = run(args)
+    text = render(data)
+    print(text)
+    if args.results_md:
+        from results_md import replace_section
+
+        replace_section(args.results_md, SECTION, text, parent=PARENT)
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    from reamer.serve.backends import open_backend, sample_inputs
+    from search_calibration import loadavg, machine_info, model_file
+
+    cpus = [int(c) for c in args.cpus.split(",")]
+    mlserver = ensure_venv(Path(args.venv))
+    data: dict[str, Any] = {"command": "python bench/mlserver_peer.py " + " ".join(sys.argv[1:]),
+                            "machine": machine_info(), "cpus": cpus, "client_cpu": args.client_cpu,
+                            "rounds": args.rounds, "seconds": args.seconds, "rows": []}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in [m for m in args.models.split(",") if m]:
+        if name.startswith("exported:"):
+            sys.path.insert(0, str(ROOT / "tests" / "acceptance"))
+            from exported_models import ensure_models
+
+            model = str(ensure_models() / f"{name.split(':', 1)[1]}.onnx")
+        else:
+            model = str(model_file(name, {}, Path(args.model_dir)))
+        with open_backend("onnxruntime", model, 1) as probe:
+            inputs = sample_inputs(probe, 1, np.random.default_rng(0))
+            outputs = [o.name for o in probe.outputs]
+        row: dict[str, Any] = {"model": name, "load_before": loadavg(), "runs": {}}
+        with tempfile.TemporaryDirectory(prefix="reamer-mlserver-") as tmp:
+            work = Path(tmp)
+            servers = {}
+            try:
+                servers["mlserver"] = start_mlserver(mlserver, model, cpus, work)
+                servers["reamer"] = start_reamer(model, cpus, work)
+                os.sched_setaffinity(0, [args.client_cpu])
+                cases = [("mlserver", False), ("reamer", False), ("reamer", True)]
+                for r in range(args.rounds):
+                    for server, binary in cases[r % 3:] + cases[:r % 3]:
+                        port = servers[server][1]
+                        key = f"{server} {'binary' if binary else 'JSON'}"
+                        c4 = load(port, inputs, outputs, binary, 4, args.seconds, 0)
+                        c1 = load(port, inputs, outputs, binary, 1, 0, args.requests)
+                        row["runs"].setdefault(key, []).append({"rps_c4": c4["rps"], "errors": c4["errors"],
+                                                                "p50_ms_c1": c1["p50_ms"]})
+                        print(f"  {name} {key}: {c4['rps']:.2f}/s at c4, p50 {c1['p50_ms']:.1f} ms at c1", flush=True)
+            except Exception as exc:  # noqa: BLE001 - one model failing must not lose the others' figures
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            finally:
+                os.sched_setaffinity(0, sorted(set(cpus) | {args.client_cpu}))
+                for proc, _ in servers.values():
+                    stop(proc)
+        row["median"] = {k: {"rps_c4": statistics.median(x["rps_c4"] for x in v),
+                             "p50_ms_c1": statistics.median(x["p50_ms_c1"] for x in v)}
+                         for k, v in row["runs"].items()}
+        row["load_after"] = loadavg()
+        data["rows"].append(row)
+        (out / "mlserver_peer.json").write_text(json.dumps(data, indent=1))
+    return data
+
+
+def render(data: dict) -> str:
+    lines = [f"Command: `{data['command']}` · machine: {data['machine']['cpu_model']}, {data['machine']['cpus']} cpus; "
+             f"servers on cpus {data['cpus']}, tritonclient.http on cpu {data['client_cpu']} · {data['rounds']} rounds "
+             f"(servers alternate), {data['seconds']} s at concurrency 4, medians · load average per row (the machine "
+             "was shared with other work).", "",
+             "| model | server, tensors | requests/s at concurrency 4 | p50 ms at concurrency 1 | reamer / MLServer (JSON) "
+             "throughput | p50 reamer / MLServer | load |",
+             "|---|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        if row.get("error") and not row.get("median"):
+            lines.append(f"| {row['model']} | {row['error']} | | | | | |")
+            continue
+        base = row["median"].get("mlserver JSON")
+        for key, m in row["median"].items():
+            ratio = p50 = ""
+            if base and key.startswith("reamer"):
+                ratio = f"{m['rps_c4'] / base['rps_c4']:.2f}×"
+                p50 = f"{m['p50_ms_c1'] / base['p50_ms_c1']:.2f}"
+            lines.append(f"| {row['model']} | {key} | {m['rps_c4']:.2f} | {m['p50_ms_c1']:.1f} | {ratio} | {p50} | "
+                         f"{row['load_before'][0]}→{row['load_after'][0]} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
