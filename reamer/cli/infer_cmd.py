@@ -27,7 +27,8 @@ def infer() -> None:
 
 
 def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, rate, port, input_dir, output_dir,
-                   backend, max_batch, layout, grpc_port=None, shapes=(), input_data=None, bind=None) -> dict:
+                   backend, max_batch, layout, grpc_port=None, shapes=(), input_data=None, bind=None,
+                   memory_limit_mb=None) -> dict:
     if online == offline:
         raise BadInput("say whether the job is --online or --offline", "add --online --slo-ms MS, or "
                        "--offline --input DIR --output DIR")
@@ -59,7 +60,8 @@ def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, r
                "slo_ms": slo_ms, "rate_rps": rate, "port": port, "grpc_port": grpc_port,
                "input_dir": os.path.abspath(input_dir) if input_dir else None,
                "output_dir": os.path.abspath(output_dir) if output_dir else None,
-               "backend": backend, "max_batch": max_batch, "layout": layout, "bind_address": bind}
+               "backend": backend, "max_batch": max_batch, "layout": layout, "bind_address": bind,
+               "memory_limit_mb": memory_limit_mb}
     samples = sample_spec(shapes, input_data)
     if samples.shapes:
         request["shapes"] = {k: list(v) for k, v in samples.shapes.items()}
@@ -120,18 +122,21 @@ def wait_for_job(client, name: str, kind: str, timeout_s: float | None = None, s
 @click.option("--layout", default=None, metavar="SPEC", help='Instances, e.g. "2x1:b4+1x2:b8" (see `reamer search`).')
 @click.option("--bind", default=None, metavar="ADDRESS",
               help="Online: listen on this one address of the node (default: inference.bind_address, 0.0.0.0 = all).")
+@click.option("--memory-limit-mb", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Memory limit of all the job's processes (default: inference.memory_limit_mb, none).")
 @traffic_options
 @click.option("--wait", is_flag=True, help="Wait until the job runs (online) or is done (offline, progress bar).")
 @pass_cli
 def deploy(cli: CliContext, name, model, online, offline, slo_ms, rate, port, input_dir, output_dir, backend,
-           max_batch, layout, wait, grpc_port=None, bind=None, shapes=(), input_data=None) -> None:
+           max_batch, layout, wait, grpc_port=None, bind=None, memory_limit_mb=None, shapes=(),
+           input_data=None) -> None:
     """Deploy an inference job on the idle cores.
 
     --shape and --input-data describe the traffic as perf_analyzer takes it: the layout search, admission
     and the instances' warm-up run on them (default: every dynamic dim 16, zeros for integer inputs)."""
     request = deploy_request(name, model, online, offline, slo_ms, rate, port, input_dir, output_dir, backend,
                              max_batch, layout, grpc_port=grpc_port, shapes=shapes, input_data=input_data,
-                             bind=bind)
+                             bind=bind, memory_limit_mb=memory_limit_mb)
     client = cli.client()
     job = client.deploy_inference(request)
     if wait:

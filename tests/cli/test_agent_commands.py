@@ -314,6 +314,18 @@ def test_infer_deploy_sends_traffic_shapes_sample_data_and_bind(run, agent, tmp_
     assert body["input_data"] == str(data) and body["bind_address"] == "127.0.0.1"
 
 
+def test_infer_deploy_sends_the_memory_limit(run, agent, tmp_path):
+    _, received = agent
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"onnx")
+    result = run("infer", "deploy", "capped", "--model", str(model), "--online", "--slo-ms", "50",
+                 "--memory-limit-mb", "512")
+    assert result.exit_code == 0, result.output
+    assert received[-1][1]["memory_limit_mb"] == 512
+    assert run("infer", "deploy", "capped", "--model", str(model), "--online", "--slo-ms", "50",
+               "--memory-limit-mb", "0").exit_code == 2
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--online", "--slo-ms", "10", "--shape", "input_ids"], "--shape 'input_ids' has no input name"),
     (["--online", "--slo-ms", "10", "--shape", "input_ids:1,x"], "not comma-separated integers"),
