@@ -195,7 +195,7 @@ class ChangeLog:
     def _undo(self, change: Change) -> None:
         if change.kind == CPUSET:
             if self.driver.exists(change.target):
-                cgroups.write_cpuset_raw(self.driver, change.target, change.before)
+                self._restore_cpuset(change.target, change.before)
         elif change.kind == UNIT_CPUS:
             systemd = self._need_systemd()
             if systemd.unit_state(change.target) is not None:
@@ -237,9 +237,24 @@ class ChangeLog:
         deadline = time.monotonic() + timeout
         while cgroups.parse_cpulist(cgroups.read_cpuset_raw(self.driver, path)) != expected:
             if not change.before or time.monotonic() > deadline:  # systemd will not write it: reamer does
-                cgroups.write_cpuset_raw(self.driver, path, wanted)
+                self._restore_cpuset(path, wanted)
                 return
             time.sleep(0.05)
+
+    def _restore_cpuset(self, path: str, text: str) -> None:
+        """cpuset.cpus back to `text`. Kernels before 6.2 refuse an empty cpuset.cpus on a cgroup with tasks
+        (ENOSPC), also on v2 where empty means "the parent's": then the parent's effective cpus are written,
+        which is what the empty file gave the job (systemd meets the same refusal and leaves the file)."""
+        try:
+            cgroups.write_cpuset_raw(self.driver, path, text)
+        except HostError:
+            if text.strip() or self.driver.version != 2:
+                raise
+            parent = path.rsplit("/", 1)[0] if "/" in path else ""
+            inherited = cgroups.read_cpuset_effective(self.driver, parent)
+            log.info("cgroup %s: the kernel refuses an empty cpuset.cpus while it has tasks; wrote its parent's "
+                     "cpus %s, what the empty file meant", path, cgroups.format_cpulist(inherited))
+            cgroups.write_cpuset_raw(self.driver, path, cgroups.format_cpulist(inherited))
 
     def _home(self, pid: int, homes: dict[str, str]) -> str:
         import psutil

@@ -170,3 +170,23 @@ def test_v2_kernel_with_rt_group_scheduling_is_refused_with_the_fix(root: Path, 
         pinner.check_rt_possible()
     assert "CONFIG_RT_GROUP_SCHED" in info.value.message and "root cpu cgroup" in info.value.message
     assert "CONFIG_RT_GROUP_SCHED" in info.value.fix and "unified_cgroup_hierarchy=0" in info.value.fix
+
+
+def test_empty_cpuset_refused_by_older_kernels_comes_back_as_the_parents_cpus(root: Path, monkeypatch) -> None:
+    """Kernels before 6.2 refuse an empty cpuset.cpus on a cgroup with tasks (ENOSPC, seen in the lab's 6.1):
+    undo then writes the parent's effective cpus, which is what the empty file meant."""
+    driver = CgroupV2Driver(root)
+    path = f"kubepods/pod1/{CID}"
+    (root / "kubepods/pod1/cpuset.cpus.effective").write_text("0-7\n")
+    change_log = ChangeLog(driver, lambda docs: None)
+    change_log.enable_cpuset_controller(path)
+    change_log.set_cpuset(path, [2, 3])
+    real_write = cgroups.write_cpuset_raw
+
+    def kernel_6_1(drv, where, text):
+        if not text.strip():
+            raise HostError(f"the kernel refused '\\n' for {where}/cpuset.cpus: No space left on device", "")
+        real_write(drv, where, text)
+    monkeypatch.setattr(cgroups, "write_cpuset_raw", kernel_6_1)
+    assert change_log.undo() == []
+    assert (root / path / "cpuset.cpus").read_text().strip() == "0-7"
