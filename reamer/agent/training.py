@@ -246,6 +246,8 @@ class TrainingPinner:
                 log.error("undo of the failed attach of %s left: %s", job, "; ".join(problems))
             self.placements.pop(job, None)
             self.logs.pop(job, None)
+            if self.rt_budgets and self._budget_jobs():
+                self._share_budget()  # the others shrank to make room: they get it back
             raise
 
     def _pin(self, job: str, placement: Placement, pids: list[int], cpus: list[int], change_log: ChangeLog) -> None:
