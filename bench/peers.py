@@ -34,7 +34,8 @@ for _p in (str(ROOT), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-SECTION = "## Against each runtime's own tuning (issue 14)"
+PARENT = "## Against each runtime's own tuning (issue 14)"
+SECTION = "### Offline: reamer's pick against OpenVINO THROUGHPUT, ONNX Runtime's default session, one backend alone"
 FAMILIES: dict[str, dict[str, Any]] = {
     "resnet50": {}, "mobilenet_v2": {}, "bert-base": {"layers": 12, "seq_len": 128}, "deepspeech2": {},
 }
@@ -216,23 +217,28 @@ def render(data: dict) -> str:
         "process, OpenVINO's streams/threads, OPTIMAL_NUMBER_OF_INFER_REQUESTS async requests of batch 1; ORT default = "
         "InferenceSession with no options (all cores, spinning), batch 1 and reamer's batch.",
         "",
-        "| model | reamer pick | reamer /s | OpenVINO THROUGHPUT /s (streams) | ORT default /s | best single-backend layouts /s | reamer / best peer | search s | load |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | reamer pick | reamer /s | OpenVINO THROUGHPUT f32 /s (streams) | ORT default /s | best single-backend "
+        "layouts /s | reamer / best peer | OpenVINO THROUGHPUT at its default precision /s (reamer / it) | search s | "
+        "load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['error']} | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['error']} | | | | | | | | |")
             continue
         m = r["median_rps"]
         ov = m.get("OpenVINO THROUGHPUT hint")
         ov_info = r["peer_info"].get("OpenVINO THROUGHPUT hint", {})
         ov_text = f"{ov:.2f} ({ov_info.get('streams')} streams, {ov_info.get('requests')} requests)" if ov else \
-            f"refused: {ov_info.get('error', '-')[:60]}"
+            f"refused: {str(ov_info.get('error', '-'))[:60]}"
+        default = m.get("OpenVINO THROUGHPUT hint, default precision")
+        d_info = r["peer_info"].get("OpenVINO THROUGHPUT hint, default precision", {})
+        d_text = f"{default:.2f}, {d_info.get('precision', '?')} ({m['reamer'] / default:.2f}×)" if default else "-"
         ort = "; ".join(f"{k.split()[-1]} {v:.2f}" for k, v in m.items() if k.startswith("ORT default"))
         singles = "; ".join(f"{r['single'][k.split()[1]]} {v:.2f}" for k, v in m.items() if k.startswith("best "))
         ratio = f"{r['ratio']:.2f}× ({r['best_peer']})" if r.get("ratio") else "-"
         lines.append(f"| {r['model']} | {r['pick']} | {m['reamer']:.2f} | {ov_text} | {ort} | {singles or '(pick)'} | "
-                     f"{ratio} | {r['search_s']} | {r['load_before'][0]}→{r['load_after'][0]} |")
+                     f"{ratio} | {d_text} | {r['search_s']} | {r['load_before'][0]}→{r['load_after'][0]} |")
     met = [r for r in data["rows"] if r.get("ratio") is not None]
     lines += ["", f"Target reamer / best peer ≥ 1.0: met in {sum(r['ratio'] >= 1.0 for r in met)} of {len(met)} "
                   f"models; within the run's spread (≥ 0.95) in {sum(r['ratio'] >= 0.95 for r in met)}."]
@@ -266,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.results_md:
             from results_md import replace_section
 
-            replace_section(args.results_md, SECTION, text)
+            replace_section(args.results_md, SECTION, text, parent=PARENT)
         return 0
     from search_calibration import loadavg, machine_info, model_file
 
@@ -302,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.results_md and not args.quick:
         from results_md import replace_section
 
-        replace_section(args.results_md, SECTION, text)
+        replace_section(args.results_md, SECTION, text, parent=PARENT)
     return 0
 
 
