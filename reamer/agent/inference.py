@@ -729,7 +729,6 @@ def validate_request(req: dict[str, Any], default_backend: str) -> InferenceReco
         if not Path(req["input_dir"]).is_dir():
             raise InvalidRequest(f"input directory {req['input_dir']} does not exist",
                                  "create it and put .npy/.npz inputs in it")
-        Path(req["output_dir"]).mkdir(parents=True, exist_ok=True)
     if req.get("grpc_port") and req.get("grpc_port") == req.get("port"):
         raise InvalidRequest(f"grpc_port {req['grpc_port']} is also the REST port",
                              "give gRPC another port, or leave grpc_port out to get a free one")

@@ -514,6 +514,8 @@ class Agent:
         refused = load_problem(rec.backend, rec.model) if rec.backend in BACKENDS else None
         if refused is not None:
             raise InvalidRequest(refused.message, refused.fix)
+        if rec.kind == "offline":  # made only once the job is accepted (a job user's own check may have made it)
+            Path(rec.output_dir).mkdir(parents=True, exist_ok=True)
         if rec.kind == "online" and rec.layout is None:
             apply_choice(rec, choose_for(self.choose_layout, rec, cpus), cpus)
             if rec.layout is None:  # no search possible: one instance over all free cores

@@ -154,7 +154,9 @@ def _json_tensor(data: Any, dtype: np.dtype, where: str, datatype: str) -> np.nd
         raise BadRequest(f"{where}.data holds {'nested lists of uneven length or ' if kind == 'O' else ''}"
                          f"values that are not numbers", f"send a flat or evenly nested list of {datatype} numbers")
     raw = raw.reshape(-1)
-    if raw.dtype == dtype or not raw.size:
+    if not raw.size:
+        return raw.astype(dtype)  # "data": [] parses as float64: the empty tensor takes the declared type
+    if raw.dtype == dtype:
         return raw  # JSON integers that all fit int64 for INT64, the common case: nothing can be out of range
     if dtype.kind in "iu":
         if kind == "f" and not np.array_equal(raw, np.trunc(raw)):

@@ -75,6 +75,8 @@ def test_what_the_model_raises_is_a_400_and_the_instance_keeps_serving(online, m
         assert error.message(), f"{case}: a 400 must carry the runtime's message"
         if case == "out-of-range-ids":
             assert "out of" in error.message() or "indices" in error.message(), error.message()
+        if case == "batch-0":  # JSON "data": [] carries no type of its own: never blamed on the client's dtype
+            assert "dtype" not in error.message(), error.message()
     else:  # a batch of 0 may also be answered, with empty outputs equal to the runtime's own
         assert case == "batch-0", f"{case} was answered: {got}"
         assert_outputs_match(spec, got, reference(model_path(models_dir, "bert"), inputs), case)

@@ -35,5 +35,6 @@ def test_openvino_is_refused_at_deploy_with_its_reason(agent, models_dir, tmp_pa
         assert "openvino" in message.lower() and "com.microsoft.Inverse" in message, message
         assert refused.value.fix, "the refusal must say what to do (e.g. use onnxruntime)"
         assert name not in {j.name for j in agent.client.list_inference_jobs()}, "a refused deploy leaves no job"
+        assert not (tmp_path / "out").exists(), "a refused deploy makes no output directory"
     finally:
         remove_all(agent)
