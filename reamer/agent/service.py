@@ -515,7 +515,11 @@ class Agent:
         if refused is not None:
             raise InvalidRequest(refused.message, refused.fix)
         if rec.kind == "offline":  # made only once the job is accepted (a job user's own check may have made it)
-            Path(rec.output_dir).mkdir(parents=True, exist_ok=True)
+            try:
+                Path(rec.output_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise InvalidRequest(f"output_dir {rec.output_dir} cannot be created: {exc.strerror}",
+                                     "give a writable directory for the results") from None
         if rec.kind == "online" and rec.layout is None:
             apply_choice(rec, choose_for(self.choose_layout, rec, cpus), cpus)
             if rec.layout is None:  # no search possible: one instance over all free cores

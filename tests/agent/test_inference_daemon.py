@@ -140,6 +140,13 @@ def test_deploy_errors(daemon, tiny_model, tmp_path):
     with pytest.raises(ApiError) as info:
         daemon.client.deploy_inference({"name": "x", "model": tiny_model, "kind": "online"})
     assert info.value.status == 422 and "slo_ms" in info.value.message
+    (tmp_path / "in").mkdir()
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(ApiError) as info:  # an output directory that cannot be made: a 400, not a 500
+        daemon.client.deploy_inference({"name": "x", "model": tiny_model, "kind": "offline",
+                                        "input_dir": str(tmp_path / "in"), "output_dir": str(tmp_path / "a-file" / "out")})
+    assert info.value.status == 400 and "output_dir" in info.value.message and info.value.fix
+    assert "x" not in {j.name for j in daemon.client.list_inference_jobs()}
 
 
 def test_crashing_job_is_restarted_then_failed_by_the_crash_loop_guard(daemon_factory, tiny_model):
