@@ -24,12 +24,16 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from reamer.host.errors import ReamerError
 from reamer.serve.stats import RequestStats
 from reamer.serve.worker import InferenceFailed, InstanceWorker, Replied, WorkerError
+
+if TYPE_CHECKING:
+    from reamer.serve.tensors import TensorInfo
 
 
 class Overloaded(ReamerError):
@@ -95,6 +99,17 @@ class DynamicBatcher:
 
     def ready_count(self) -> int:
         return sum(1 for w in self.workers if w.ready and w.alive)
+
+    def all_ready(self) -> bool:
+        workers = self.workers
+        return bool(workers) and all(w.ready and w.alive for w in workers)
+
+    def signature(self) -> tuple[list[TensorInfo], list[TensorInfo]] | None:
+        """The model's (inputs, outputs) from the first instance that has loaded it; None while none has."""
+        for w in self.workers:
+            if w.inputs:
+                return w.inputs, w.outputs
+        return None
 
     def _cond(self) -> asyncio.Condition:
         if self._wakeup is None:

@@ -48,11 +48,10 @@ import orjson
 from reamer.host.errors import ReamerError
 from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded, RequestTiming
 from reamer.serve.tensors import TensorInfo, UnsupportedDatatype, numpy_to_v2, v2_to_numpy
-from reamer.serve.v2wire import (HEADER_LENGTH, SERVER_NAME, ReplyPlan, binary_body, http_head, le_bytes,
-                                  server_timing)
+from reamer.serve.v2wire import (HEADER_LENGTH, SERVER_NAME, SERVER_VERSION, ReplyPlan, binary_body, http_head,
+                                  le_bytes, server_timing)
 from reamer.serve.worker import InferenceFailed, Replied, ReplyBroken, WorkerError
 
-SERVER_VERSION = "0.1.0"
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 
 
@@ -104,7 +103,7 @@ class RequestPlan:
 PLAN_CACHE_SIZE = 256
 
 
-def _describe(tensors: list[TensorInfo]) -> str:
+def describe_tensors(tensors: list[TensorInfo]) -> str:
     return ", ".join(f"{t.name} ({t.datatype} {list(t.shape)})" for t in tensors)
 
 
@@ -218,7 +217,7 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
             raise BadRequest(f"{where}.name is {_kind(name)}, not a string", 'give every input its "name" as a string')
         meta = by_name.get(name)
         if meta is None:
-            raise BadRequest(f"unknown input {name!r}; the model expects inputs: {_describe(model_inputs)}",
+            raise BadRequest(f"unknown input {name!r}; the model expects inputs: {describe_tensors(model_inputs)}",
                              "use the input names from GET /v2/models/<name>")
         if name in inputs:
             raise BadRequest(f"input {name!r} is given twice", "send each input once")
@@ -275,7 +274,7 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
                          "set binary_data_size on every binary input")
     missing = [t.name for t in model_inputs if t.name not in inputs]
     if missing:
-        raise BadRequest(f"missing input(s) {missing}; the model expects inputs: {_describe(model_inputs)}",
+        raise BadRequest(f"missing input(s) {missing}; the model expects inputs: {describe_tensors(model_inputs)}",
                          "send every model input")
     batches = {a.shape[0] for a in inputs.values() if a.ndim}
     if len(batches) > 1:
@@ -296,7 +295,7 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
             if not isinstance(oname, str) or oname not in known:
                 what = repr(oname) if isinstance(oname, str) else _kind(oname)
                 raise BadRequest(f"unknown output {what} in outputs[{i}].name; the model has outputs: "
-                                 f"{_describe(model_outputs)}", "ask only for outputs from GET /v2/models/<name>")
+                                 f"{describe_tensors(model_outputs)}", "ask only for outputs from GET /v2/models/<name>")
             oparams = _object(out.get("parameters"), f"outputs[{i}].parameters")
             outputs.append((oname, _flag(oparams, "binary_data", f"outputs[{i}].parameters", binary_default)))
     if plans is not None and req_id is None and len(binary) == len(inputs):
@@ -459,16 +458,6 @@ class V2App:
         self._plans_for: object = None  # the signature the cached plans and heads were made for
         self._coder: ThreadPoolExecutor | None = None  # large JSON is decoded and encoded here
 
-    def _signature(self) -> tuple[list[TensorInfo], list[TensorInfo]] | None:
-        for w in self.batcher.workers:
-            if w.inputs:
-                return w.inputs, w.outputs
-        return None
-
-    def _all_ready(self) -> bool:
-        workers = self.batcher.workers
-        return bool(workers) and all(w.ready and w.alive for w in workers)
-
     async def _off_loop(self, fn, *args):
         if self._coder is None:
             self._coder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="json")
@@ -503,17 +492,17 @@ class V2App:
         if route == ["health", "live"]:
             return _json(200, {"live": True})
         if route == ["health", "ready"]:
-            if self._all_ready():
+            if self.batcher.all_ready():
                 return _json(200, {"ready": True})
             return _error(503, f"{self.batcher.ready_count()} of {len(self.batcher.workers)} instances are ready")
         if not route:
             return _json(200, {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": ["binary_tensor_data"]})
         if route == ["models", "ready"]:
-            if self._all_ready():
+            if self.batcher.all_ready():
                 return _json(200, {"name": name, "ready": True})
             return _error(503, f"model {name!r} is not ready: {self.batcher.ready_count()} of "
                                f"{len(self.batcher.workers)} instances ready")
-        sig = self._signature()
+        sig = self.batcher.signature()
         if sig is None:
             return _error(503, f"model {name!r} is still loading; retry in a few seconds")
         if route == ["models"]:

@@ -31,13 +31,12 @@ import numpy as np
 
 from reamer.host.errors import ReamerError
 from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded, RequestTiming
-from reamer.serve.frontdoor import DoorLimits
+from reamer.serve.frontdoor import DoorLimits, describe_tensors
 from reamer.serve.grpc_v2 import messages as pb
 from reamer.serve.tensors import TensorInfo, UnsupportedDatatype, v2_to_numpy
-from reamer.serve.v2wire import SERVER_NAME, le_bytes, server_timing
+from reamer.serve.v2wire import SERVER_NAME, SERVER_VERSION, le_bytes, server_timing
 from reamer.serve.worker import InferenceFailed, WorkerError
 
-SERVER_VERSION = "0.1.0"
 GRACE_S = 10.0  # a stop waits this long for requests in flight
 
 # The typed-contents field of each datatype (FP16 and BYTES have none reamer takes: FP16 travels raw).
@@ -58,10 +57,6 @@ class DecodedGrpcRequest:
     raw: bool  # answer with raw_output_contents (the request's form)
 
 
-def _describe(tensors: list[TensorInfo]) -> str:
-    return ", ".join(f"{t.name} ({t.datatype} {list(t.shape)})" for t in tensors)
-
-
 def decode_infer_request(req: Any, model_inputs: list[TensorInfo], model_outputs: list[TensorInfo]) -> DecodedGrpcRequest:
     """Validate a ModelInferRequest against the model's signature and read its tensors."""
     raw = list(req.raw_input_contents)
@@ -76,7 +71,7 @@ def decode_infer_request(req: Any, model_inputs: list[TensorInfo], model_outputs
         meta = by_name.get(name)
         if meta is None:
             raise GrpcBadRequest(f"inputs[{i}].name {name!r} is not an input of the model; it expects "
-                                 f"{_describe(model_inputs)}", "use the input names from ModelMetadata")
+                                 f"{describe_tensors(model_inputs)}", "use the input names from ModelMetadata")
         if name in inputs:
             raise GrpcBadRequest(f"{where} is given twice", "send each input once")
         datatype = item.datatype.upper()
@@ -123,7 +118,7 @@ def decode_infer_request(req: Any, model_inputs: list[TensorInfo], model_outputs
         inputs[name] = arr.reshape(shape)
     missing = [t.name for t in model_inputs if t.name not in inputs]
     if missing:
-        raise GrpcBadRequest(f"inputs lack {missing}; the model expects {_describe(model_inputs)}",
+        raise GrpcBadRequest(f"inputs lack {missing}; the model expects {describe_tensors(model_inputs)}",
                              "send every model input")
     batches = {a.shape[0] for a in inputs.values() if a.ndim}
     if len(batches) > 1:
@@ -134,7 +129,7 @@ def decode_infer_request(req: Any, model_inputs: list[TensorInfo], model_outputs
     for i, out in enumerate(req.outputs):
         if out.name not in known:
             raise GrpcBadRequest(f"outputs[{i}].name {out.name!r} is not an output of the model; it has "
-                                 f"{_describe(model_outputs)}", "ask only for outputs from ModelMetadata")
+                                 f"{describe_tensors(model_outputs)}", "ask only for outputs from ModelMetadata")
         outputs.append(out.name)
     types = {t.name: t.datatype for t in model_outputs}
     wanted = outputs or known
@@ -178,23 +173,13 @@ class GrpcV2Service:
         self.batcher = batcher
         self.platform = platform
 
-    def _signature(self) -> tuple[list[TensorInfo], list[TensorInfo]] | None:
-        for w in self.batcher.workers:
-            if w.inputs:
-                return w.inputs, w.outputs
-        return None
-
-    def _all_ready(self) -> bool:
-        workers = self.batcher.workers
-        return bool(workers) and all(w.ready and w.alive for w in workers)
-
     def _check_model(self, name: str, field: str = "name") -> None:
         if name != self.model_name:
             raise _Abort(grpc.StatusCode.NOT_FOUND, f"{field} {name!r} is not served here; this endpoint serves "
                                                     f"{self.model_name!r}")
 
     def _loaded(self) -> tuple[list[TensorInfo], list[TensorInfo]]:
-        sig = self._signature()
+        sig = self.batcher.signature()
         if sig is None:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, f"model {self.model_name!r} is still loading; retry in a few seconds")
         return sig
@@ -204,11 +189,11 @@ class GrpcV2Service:
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: Any, context: Any) -> Any:
-        return pb.ServerReadyResponse(ready=self._all_ready())
+        return pb.ServerReadyResponse(ready=self.batcher.all_ready())
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         self._check_model(request.name)
-        return pb.ModelReadyResponse(ready=self._all_ready())
+        return pb.ModelReadyResponse(ready=self.batcher.all_ready())
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=[])

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 SERVER_NAME = "reamer"
+SERVER_VERSION = "0.1.0"
 HEADS_CACHE_SIZE = 256
 
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\nserver: {SERVER_NAME}" for s in HTTPStatus}
