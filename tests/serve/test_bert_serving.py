@@ -6,24 +6,18 @@ shapes and data, and a warm-up failure that names the input.
 The model is our BERT-shaped graph (always) and, where torch and transformers are installed, a BertModel
 exported by torch.onnx."""
 import json
-import os
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import onnxruntime as ort
 import psutil
 import pytest
 
-from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus, read_events
-from tests.conftest import wait_for
+from reamer.serve.spec import read_events
 from tests.serve.bertlike import bert_feeds, build_bertlike, export_bert
+from tests.serve.jobs import RunningJob
 
 httpclient = pytest.importorskip("tritonclient.http")
 
-CPUS = sorted(os.sched_getaffinity(0))
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUTPUT = "last_hidden_state"
 
 
@@ -35,52 +29,19 @@ def bert(request, tmp_path_factory):
     return export_bert(out / "bert.onnx")
 
 
-def _start(model, tmp_path, **spec_fields):
-    run_dir = tmp_path / "run"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    spec = JobSpec(name="bert", kind="online", model=model, port=0, run_dir=str(run_dir),
-                   instances=[InstanceSpec([CPUS[-1]], 1, 4)], frontdoor_cpus=[CPUS[0]], **spec_fields)
-    spec.save(tmp_path / "spec.json")
-    job = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(tmp_path / "spec.json")],
-                           cwd=REPO)
-
-    def settled():
-        try:
-            st = JobStatus.load(run_dir / "status.json")
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        return st if st.state in ("ready", "failed") else None
-
-    return job, run_dir, wait_for(settled, timeout=120, what="job ready or failed")
-
-
-def _stop(job):
-    children = []
-    try:
-        children = psutil.Process(job.pid).children()
-    except psutil.NoSuchProcess:
-        pass
-    if job.poll() is None:
-        job.terminate()
-        try:
-            job.wait(30)
-        except subprocess.TimeoutExpired:
-            job.kill()
-    for p in children:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+def _start(model, tmp_path, **spec_fields) -> RunningJob:
+    return RunningJob(model, tmp_path, "bert", settle=("ready", "failed"), **spec_fields)
 
 
 @pytest.fixture(scope="module")
 def served(bert, tmp_path_factory):
-    job, run_dir, st = _start(bert, tmp_path_factory.mktemp("job"))
+    job = _start(bert, tmp_path_factory.mktemp("job"))
     try:
-        assert st.state == "ready", st.message  # warm-up on zeros: token_type_ids indexes a 2-row table
-        yield httpclient.InferenceServerClient(f"127.0.0.1:{st.port}"), bert, job, run_dir
+        # warm-up on zeros: token_type_ids indexes a 2-row table
+        assert job.status.state == "ready", job.status.message
+        yield httpclient.InferenceServerClient(job.rest), bert, job.proc, job.run_dir
     finally:
-        _stop(job)
+        job.stop()
 
 
 def _infer(client, feeds, binary_out, binary_in=True):
@@ -145,19 +106,20 @@ def test_warm_up_on_the_traffic_shapes_and_data(bert, tmp_path):
     data = tmp_path / "traffic.json"
     data.write_text(json.dumps({"data": [{"input_ids": [5] * 128, "attention_mask": [1] * 128,
                                           "token_type_ids": [1] * 128}]}))
-    job, _, st = _start(bert, tmp_path, shapes={"input_ids": [1, 128]}, input_data=str(data))
+    job = _start(bert, tmp_path, shapes={"input_ids": [1, 128]}, input_data=str(data))
     try:
-        assert st.state == "ready", st.message
+        assert job.status.state == "ready", job.status.message
     finally:
-        _stop(job)
+        job.stop()
 
 
 def test_warm_up_failure_names_the_input_and_the_reason(bert, tmp_path):
     data = tmp_path / "bad.npz"
     np.savez(data, **bert_feeds(1, 8, type_id=7))
-    job, _, st = _start(bert, tmp_path, input_data=str(data))
+    job = _start(bert, tmp_path, input_data=str(data))
     try:
+        st = job.status
         assert st.state == "failed"
         assert "token_type_ids" in st.message and "out of data bounds" in st.message, st.message
     finally:
-        _stop(job)
+        job.stop()

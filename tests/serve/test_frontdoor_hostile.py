@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -21,11 +19,10 @@ import tritonclient.http as triton
 
 from reamer.serve.backends import open_backend
 from reamer.serve.models import build_model
-from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
+from reamer.serve.spec import JobSpec
 from tests.conftest import wait_for
+from tests.serve.jobs import RunningJob
 
-CPUS = sorted(os.sched_getaffinity(0))
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_BATCH = 1024
 MAX_REQUEST_MB = 1
 LIMITS = {"max_connections": 24, "header_timeout_s": 1.5, "body_timeout_s": 1.5, "idle_timeout_s": 3.0,
@@ -34,33 +31,16 @@ LIMITS = {"max_connections": 24, "header_timeout_s": 1.5, "body_timeout_s": 1.5,
 SLACK_S = 20.0  # how long past a timeout a test waits for its effect (a shared, slow machine)
 
 
-class Job:
+class Job(RunningJob):
     """An online job process whose stderr is job.log, as the agent runs it."""
 
     def __init__(self, model: str, tmp_path) -> None:
-        self.run_dir = tmp_path / "run"
-        spec = JobSpec(name="mio", kind="online", model=model, port=0, host="127.0.0.1", run_dir=str(self.run_dir),
-                       instances=[InstanceSpec([CPUS[-1]], 1, MAX_BATCH)], frontdoor_cpus=[CPUS[0]],
-                       max_request_mb=MAX_REQUEST_MB, frontdoor=LIMITS)
-        spec.save(tmp_path / "spec.json")
-        self.log_path = tmp_path / "job.log"
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(tmp_path / "spec.json")],
-                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        status = wait_for(lambda: (s := self._status()) and s.state == "ready" and s, timeout=120,
-                          what="the job to be ready")
-        self.port = status.port
-        self.url = f"127.0.0.1:{self.port}"
+        super().__init__(model, tmp_path, max_batch=MAX_BATCH, log_path=tmp_path / "job.log", host="127.0.0.1",
+                         max_request_mb=MAX_REQUEST_MB, frontdoor=LIMITS)
+        self.port = self.status.port
+        self.url = self.rest
         self.process = psutil.Process(self.proc.pid)
         self.rss_at_start = self.rss()
-
-    def _status(self) -> JobStatus | None:
-        if self.proc.poll() is not None:
-            pytest.fail(f"the job exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
-        try:
-            return JobStatus.load(self.run_dir / "status.json")
-        except (FileNotFoundError, ValueError):
-            return None
 
     def rss(self) -> int:
         return self.process.memory_info().rss
@@ -86,24 +66,6 @@ class Job:
                 if int(local.split(":")[1], 16) == self.port and int(remote.split(":")[1], 16) == port:
                     return int(parts[4].split(":")[1], 16)
         return 0
-
-    def stop(self) -> None:
-        workers = self.process.children()
-        for w in workers:
-            try:
-                w.resume()
-            except psutil.NoSuchProcess:
-                pass
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        for w in workers:
-            try:
-                w.kill()
-            except psutil.NoSuchProcess:
-                pass
 
 
 @pytest.fixture(scope="module")

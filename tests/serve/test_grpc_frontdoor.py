@@ -2,7 +2,6 @@
 KServe-v2 gRPC client (typed contents) against it, next to REST on the same job."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -11,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import httpx
 import numpy as np
-import psutil
 import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
@@ -22,63 +20,15 @@ from reamer.serve.grpc_v2 import messages as pb
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
 from tests.conftest import wait_for
+from tests.serve.jobs import CPUS, REPO, RunningJob
 
-CPUS = sorted(os.sched_getaffinity(0))
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_BATCH = 4
 
 
-class RunningJob:
-    """An online job process serving `model` as `name`; its REST and gRPC ports from status.json."""
-
-    def __init__(self, model: str, tmp_path, name: str = "mio", **spec_fields) -> None:
-        self.name = name
-        self.run_dir = tmp_path / "run"
-        spec_fields.setdefault("host", "127.0.0.1")
-        spec = JobSpec(name=name, kind="online", model=model, port=0, grpc_port=0,
-                       run_dir=str(self.run_dir), instances=[InstanceSpec([CPUS[-1]], 1, MAX_BATCH)],
-                       frontdoor_cpus=[CPUS[0]], **spec_fields)
-        spec.save(tmp_path / "spec.json")
-        self.proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(tmp_path / "spec.json")],
-                                     cwd=REPO)
-        self.status = wait_for(lambda: (s := self.read_status()) and s.state == "ready" and s, timeout=120,
-                               what="the job to be ready")
-        self.rest = f"127.0.0.1:{self.status.port}"
-        self.grpc = f"127.0.0.1:{self.status.grpc_port}"
-        self.workers = self._workers()
-
-    def read_status(self) -> JobStatus | None:
-        try:
-            return JobStatus.load(self.run_dir / "status.json")
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def _workers(self) -> list[psutil.Process]:
-        try:
-            return [p for p in psutil.Process(self.proc.pid).children() if p.status() != psutil.STATUS_ZOMBIE]
-        except psutil.NoSuchProcess:
-            return []
-
-    def stop(self) -> int | None:
-        for p in self.workers:
-            try:
-                p.resume()
-            except psutil.NoSuchProcess:
-                pass
-        children = self.workers + self._workers()
-        code = None
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                code = self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        for p in children:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        return code
+def grpc_job(model: str, tmp_path, name: str = "mio", **spec_fields) -> RunningJob:
+    """A job serving REST and gRPC (loopback unless `host` says otherwise)."""
+    spec_fields.setdefault("host", "127.0.0.1")
+    return RunningJob(model, tmp_path, name, max_batch=MAX_BATCH, grpc_port=0, **spec_fields)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +45,7 @@ def reference(model):
 
 @pytest.fixture(scope="module")
 def job(model, tmp_path_factory):
-    j = RunningJob(model, tmp_path_factory.mktemp("job"), max_request_mb=1.0)
+    j = grpc_job(model, tmp_path_factory.mktemp("job"), max_request_mb=1.0)
     yield j
     assert j.stop() == 0
 
@@ -280,7 +230,7 @@ def test_an_instance_killed_mid_request_is_unavailable_then_grpc_serves_from_its
     assert err.value.status() == "StatusCode.UNAVAILABLE" and "crashed" in err.value.message(), err.value
     c = tgrpc.InferenceServerClient(job.grpc)
     wait_for(lambda: c.is_model_ready("mio"), timeout=90, what="the instance's restart")
-    job.workers = job._workers()
+    job.workers = job.live_workers()
     res = c.infer("mio", _triton_inputs(feeds))
     np.testing.assert_array_equal(res.as_numpy("id_sum"), reference.run(feeds)["id_sum"])
 
@@ -294,7 +244,7 @@ def test_grpc_and_rest_ports_are_in_the_status_and_differ(job):
 def test_over_capacity_is_unavailable_with_the_reason_and_serving_goes_on(model, reference, tmp_path):
     """A job whose SLO no request can meet while its one instance is busy: of two requests sent while the
     instance is stopped, one runs on it (and waits) and the other is shed at once."""
-    j = RunningJob(model, tmp_path, slo_ms=0.001)
+    j = grpc_job(model, tmp_path, slo_ms=0.001)
     try:
         c = tgrpc.InferenceServerClient(j.grpc)
         feeds = _inputs(1)
@@ -364,7 +314,7 @@ def _values(datatype: str, batch: int, seed: int) -> np.ndarray:
 
 def test_every_datatype_raw_from_tritonclient(tmp_path):
     names = list(DTYPES)
-    j = RunningJob(_identity_model(tmp_path / "dtypes.onnx", names), tmp_path, name="dtypes")
+    j = grpc_job(_identity_model(tmp_path / "dtypes.onnx", names), tmp_path, name="dtypes")
     try:
         c = tgrpc.InferenceServerClient(j.grpc)
         meta = c.get_model_metadata("dtypes", as_json=True)
@@ -387,7 +337,7 @@ def test_every_datatype_raw_from_tritonclient(tmp_path):
 
 def test_every_typed_datatype_from_a_plain_kserve_v2_client(tmp_path):
     names = [d for d in DTYPES if d not in RAW_ONLY]
-    j = RunningJob(_identity_model(tmp_path / "typed.onnx", names), tmp_path, name="typed")
+    j = grpc_job(_identity_model(tmp_path / "typed.onnx", names), tmp_path, name="typed")
     try:
         from reamer.serve.grpc_frontdoor import CONTENTS_FIELD
 
@@ -424,7 +374,7 @@ def test_every_typed_datatype_from_a_plain_kserve_v2_client(tmp_path):
 def test_calls_over_the_jobs_connection_limit_are_resource_exhausted(model, reference, tmp_path):
     """The REST door's max_connections also bounds gRPC calls in flight: with 1, of two calls sent while the
     instance is stopped one waits on it and the other is refused at once; the waiting one is answered."""
-    j = RunningJob(model, tmp_path, frontdoor={"max_connections": 1})
+    j = grpc_job(model, tmp_path, frontdoor={"max_connections": 1})
     try:
         feeds = _inputs(1)
         tgrpc.InferenceServerClient(j.grpc).infer("mio", _triton_inputs(feeds))
@@ -480,7 +430,7 @@ def test_string_outputs_come_back_as_bytes_raw_and_typed(tmp_path):
                               [helper.make_tensor_value_info("label", TensorProto.STRING, ["batch", 2])])
     path = tmp_path / "strings.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    j = RunningJob(str(path), tmp_path, name="strings")
+    j = grpc_job(str(path), tmp_path, name="strings")
     try:
         x = np.array([[7, -12], [0, 123456]], dtype=np.int32)
         want = np.array([[b"7", b"-12"], [b"0", b"123456"]], dtype=object)

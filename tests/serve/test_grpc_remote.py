@@ -10,7 +10,7 @@ import pytest
 from reamer.serve.backends import open_backend
 from reamer.serve.models import build_model
 from tests.serve.netns import netns  # noqa: F401 - the fixture
-from tests.serve.test_grpc_frontdoor import RunningJob
+from tests.serve.test_grpc_frontdoor import grpc_job
 
 GRPC_CLIENT = """
 import json, sys, numpy as np, tritonclient.grpc as grpcclient
@@ -37,7 +37,7 @@ def _want(model: str) -> np.ndarray:
 
 
 def test_a_job_on_all_interfaces_answers_grpc_from_another_network_namespace(tiny, tmp_path, netns):  # noqa: F811
-    job = RunningJob(tiny, tmp_path, name="tiny", host="0.0.0.0")
+    job = grpc_job(tiny, tmp_path, name="tiny", host="0.0.0.0")
     try:
         done = netns.python(GRPC_CLIENT, f"{netns.host_address}:{job.status.grpc_port}", "tiny")
         assert done.returncode == 0, done.stderr[-2000:]
@@ -47,7 +47,7 @@ def test_a_job_on_all_interfaces_answers_grpc_from_another_network_namespace(tin
 
 
 def test_a_loopback_job_is_not_reachable_over_grpc_from_elsewhere(tiny, tmp_path, netns):  # noqa: F811
-    job = RunningJob(tiny, tmp_path, name="tiny", host="127.0.0.1")
+    job = grpc_job(tiny, tmp_path, name="tiny", host="127.0.0.1")
     try:
         done = netns.python(GRPC_CLIENT, f"{netns.host_address}:{job.status.grpc_port}", "tiny", timeout=60)
         assert done.returncode != 0 and "UNAVAILABLE" in done.stderr, done.stderr[-2000:]

@@ -1,9 +1,5 @@
 """`python -m reamer.serve.job` as a real process: online serving, SIGHUP reconfiguration, SIGTERM."""
-import json
-import os
 import signal
-import subprocess
-import sys
 
 import httpx
 import numpy as np
@@ -12,11 +8,9 @@ import pytest
 
 from reamer.serve.job import main as job_main
 from reamer.serve.models import build_model
-from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus, read_events
+from reamer.serve.spec import InstanceSpec, JobSpec, read_events
 from tests.conftest import wait_for
-
-CPUS = sorted(os.sched_getaffinity(0))
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.serve.jobs import CPUS, RunningJob, job_workers, read_status
 
 
 @pytest.fixture(scope="module")
@@ -24,45 +18,13 @@ def tiny(tmp_path_factory):
     return build_model("tiny", tmp_path_factory.mktemp("m") / "tiny.onnx").path
 
 
-def _status(run_dir):
-    try:
-        return JobStatus.load(run_dir / "status.json")
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def _workers(job):
-    try:
-        return [p for p in psutil.Process(job.pid).children() if p.status() != psutil.STATUS_ZOMBIE]
-    except psutil.NoSuchProcess:
-        return []
-
-
 @pytest.fixture
 def online_job(tiny, tmp_path):
-    run_dir = tmp_path / "run"
-    spec = JobSpec(name="tiny", kind="online", model=tiny, port=0, run_dir=str(run_dir), slo_ms=500.0, rate_rps=2.0,
-                   instances=[InstanceSpec([CPUS[-1]], 1, 4)], frontdoor_cpus=[CPUS[0]])
-    spec.save(tmp_path / "spec.json")
-    job = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(tmp_path / "spec.json")], cwd=REPO)
-    children = []
+    job = RunningJob(tiny, tmp_path, "tiny", slo_ms=500.0, rate_rps=2.0)
     try:
-        st = wait_for(lambda: (s := _status(run_dir)) and s.state == "ready" and s, timeout=90, what="job ready")
-        children = _workers(job)
-        yield job, spec, tmp_path, st
+        yield job.proc, job.spec, tmp_path, job.status
     finally:
-        children += _workers(job)
-        if job.poll() is None:
-            job.terminate()
-            try:
-                job.wait(30)
-            except subprocess.TimeoutExpired:
-                job.kill()
-        for p in children:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        job.stop()
 
 
 def _infer(port, batch=1):
@@ -76,12 +38,12 @@ def test_online_job_serves_reports_and_stops_cleanly_on_sigterm(online_job):
     job, spec, tmp_path, st = online_job
     assert st.port and st.pid == job.pid and st.instances_ready == st.instances_total == 1
     assert psutil.Process(job.pid).cpu_affinity() == [CPUS[0]]
-    workers = _workers(job)
+    workers = job_workers(job)
     assert [w.cpu_affinity() for w in workers] == [[CPUS[-1]]]
     for _ in range(5):
         r = _infer(st.port, batch=2)
         assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [2, 4]
-    wait_for(lambda: (s := _status(tmp_path / "run")) and s.requests >= 5 and s.p99_ms is not None,
+    wait_for(lambda: (s := read_status(tmp_path / "run")) and s.requests >= 5 and s.p99_ms is not None,
              what="status to count the requests")
 
     def overloaded():  # keep sending above the admitted 2 req/s until the job says so
@@ -94,27 +56,27 @@ def test_online_job_serves_reports_and_stops_cleanly_on_sigterm(online_job):
     assert job.wait(60) == 0
     gone, alive = psutil.wait_procs(workers, timeout=30)
     assert not alive
-    assert _status(tmp_path / "run").message == "stopped by SIGTERM"
+    assert read_status(tmp_path / "run").message == "stopped by SIGTERM"
 
 
 def test_sighup_changes_instance_count_without_restarting_kept_ones(online_job):
     job, spec, tmp_path, st = online_job
-    (first,) = _workers(job)
+    (first,) = job_workers(job)
     spec.instances = [InstanceSpec([CPUS[-1]], 1, 4), InstanceSpec([CPUS[0]], 1, 2)]
     spec.save(tmp_path / "spec.json")
     job.send_signal(signal.SIGHUP)
-    wait_for(lambda: (s := _status(tmp_path / "run")) and s.instances_total == 2 and s.instances_ready == 2,
+    wait_for(lambda: (s := read_status(tmp_path / "run")) and s.instances_total == 2 and s.instances_ready == 2,
              timeout=90, what="two ready instances")
-    workers = _workers(job)
+    workers = job_workers(job)
     assert len(workers) == 2 and first.pid in [w.pid for w in workers]  # the unchanged one kept running
     assert _infer(st.port).status_code == 200
     # Back to one instance, with a changed max_batch: the old ones go, a new one comes.
     spec.instances = [InstanceSpec([CPUS[-1]], 1, 8)]
     spec.save(tmp_path / "spec.json")
     job.send_signal(signal.SIGHUP)
-    wait_for(lambda: len(_workers(job)) == 1 and (s := _status(tmp_path / "run")).instances_total == 1
+    wait_for(lambda: len(job_workers(job)) == 1 and (s := read_status(tmp_path / "run")).instances_total == 1
              and s.instances_ready == 1, timeout=90, what="one instance again")
-    assert _workers(job)[0].pid != first.pid
+    assert job_workers(job)[0].pid != first.pid
     assert _infer(st.port).status_code == 200
     events = [e for e in read_events(tmp_path / "run")[0] if e["kind"] == "reconfigured"]
     assert [(e["kept"], e["started"], e["stopped"]) for e in events] == [(1, 1, 0), (0, 1, 2)]
@@ -126,7 +88,7 @@ def test_sighup_changes_instance_count_without_restarting_kept_ones(online_job):
     assert _infer(st.port).status_code == 200 and job.poll() is None
 
 
-def test_missing_model_or_spec_fails_with_a_clear_status(tmp_path, capsys):
+def test_missing_model_or_spec_fails_with_a_clearread_status(tmp_path, capsys):
     spec = JobSpec(name="x", kind="online", model=str(tmp_path / "none.onnx"), port=0, run_dir=str(tmp_path / "run"),
                    instances=[InstanceSpec([CPUS[-1]], 1, 1)])
     spec.save(tmp_path / "spec.json")
@@ -139,6 +101,6 @@ def test_missing_model_or_spec_fails_with_a_clear_status(tmp_path, capsys):
             signal.signal(s, h)
     err = capsys.readouterr().err
     assert "none.onnx does not exist" in err and "cannot read job spec" in err
-    st = _status(tmp_path / "run")
+    st = read_status(tmp_path / "run")
     assert st.state == "failed" and "reamer models build" in st.message
     assert [e["kind"] for e in read_events(tmp_path / "run")[0]] == ["failed"]

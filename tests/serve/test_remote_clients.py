@@ -1,25 +1,14 @@
 """Clients on other hosts (issue 12): an online job listens on every interface by default and answers a
 tritonclient in a network namespace of its own (over a veth pair, not loopback); bound to one address it
 answers only there. Loopback clients keep working either way."""
-import json
-import os
-import shutil
-import subprocess
-import sys
-
 import httpx
-import psutil
 import pytest
 
 from reamer.serve.models import build_model
-from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
-from tests.conftest import wait_for
+from tests.serve.jobs import RunningJob
 from tests.serve.netns import TRITON_CLIENT, netns  # noqa: F401 - the fixture
 
 pytest.importorskip("tritonclient.http")
-
-CPUS = sorted(os.sched_getaffinity(0))
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -32,37 +21,12 @@ def start_job(tiny, tmp_path):
     jobs = []
 
     def start(**fields):
-        run_dir = tmp_path / f"run{len(jobs)}"
-        shutil.rmtree(run_dir, ignore_errors=True)
-        spec = JobSpec(name="tiny", kind="online", model=tiny, port=0, run_dir=str(run_dir),
-                       instances=[InstanceSpec([CPUS[-1]], 1, 4)], frontdoor_cpus=[CPUS[0]], **fields)
-        spec.save(tmp_path / "spec.json")
-        job = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(tmp_path / "spec.json")],
-                               cwd=REPO)
-        jobs.append(job)
-
-        def ready():
-            try:
-                st = JobStatus.load(run_dir / "status.json")
-            except (FileNotFoundError, json.JSONDecodeError):
-                return None
-            return st if st.state == "ready" else None
-
-        return wait_for(ready, timeout=90, what="job ready")
+        jobs.append(RunningJob(tiny, tmp_path, "tiny", run_name=f"run{len(jobs)}", **fields))
+        return jobs[-1].status
 
     yield start
     for job in jobs:
-        children = psutil.Process(job.pid).children() if job.poll() is None else []
-        job.terminate()
-        try:
-            job.wait(30)
-        except subprocess.TimeoutExpired:
-            job.kill()
-        for child in children:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
+        job.stop()
 
 
 def test_default_job_answers_a_client_in_another_network_namespace(start_job, netns):  # noqa: F811
