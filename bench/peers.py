@@ -233,7 +233,8 @@ def render(data: dict) -> str:
             f"refused: {str(ov_info.get('error', '-'))[:60]}"
         default = m.get("OpenVINO THROUGHPUT hint, default precision")
         d_info = r["peer_info"].get("OpenVINO THROUGHPUT hint, default precision", {})
-        d_text = f"{default:.2f}, {d_info.get('precision', '?')} ({m['reamer'] / default:.2f}×)" if default else "-"
+        precision = str(d_info.get("precision", "?")).replace("<Type: '", "").replace("'>", "")
+        d_text = f"{default:.2f}, {precision} ({m['reamer'] / default:.2f}×)" if default else "-"
         ort = "; ".join(f"{k.split()[-1]} {v:.2f}" for k, v in m.items() if k.startswith("ORT default"))
         singles = "; ".join(f"{r['single'][k.split()[1]]} {v:.2f}" for k, v in m.items() if k.startswith("best "))
         ratio = f"{r['ratio']:.2f}× ({r['best_peer']})" if r.get("ratio") else "-"
