@@ -241,6 +241,25 @@ def test_grpc_and_rest_ports_are_in_the_status_and_differ(job):
     assert httpx.get(f"http://{job.rest}/v2/health/ready", timeout=10).status_code == 200
 
 
+def _two_calls_on_a_stopped_instance(j: RunningJob, feeds: dict[str, np.ndarray], what: str) -> tuple:
+    """Two calls sent while the job's one instance is stopped: the one answered while it still is (`what`
+    it is waited for as), then the results of both once the instance runs again."""
+    (worker,) = j.workers
+    worker.suspend()
+
+    def call():
+        try:
+            return tgrpc.InferenceServerClient(j.grpc).infer("mio", _triton_inputs(feeds))
+        except InferenceServerException as exc:
+            return exc
+
+    with ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(call) for _ in range(2)]
+        first = wait_for(lambda: next((f.result() for f in calls if f.done()), None), timeout=60, what=what)
+        worker.resume()
+        return first, [f.result() for f in calls]
+
+
 def test_over_capacity_is_unavailable_with_the_reason_and_serving_goes_on(model, reference, tmp_path):
     """A job whose SLO no request can meet while its one instance is busy: of two requests sent while the
     instance is stopped, one runs on it (and waits) and the other is shed at once."""
@@ -250,21 +269,7 @@ def test_over_capacity_is_unavailable_with_the_reason_and_serving_goes_on(model,
         feeds = _inputs(1)
         for _ in range(3):  # the batcher measures the instance (nothing is shed before a measurement)
             c.infer("mio", _triton_inputs(feeds))
-        (worker,) = j.workers
-        worker.suspend()
-
-        def call():
-            try:
-                return tgrpc.InferenceServerClient(j.grpc).infer("mio", _triton_inputs(feeds))
-            except InferenceServerException as exc:
-                return exc
-
-        with ThreadPoolExecutor(2) as pool:
-            calls = [pool.submit(call) for _ in range(2)]
-            shed = wait_for(lambda: next((f.result() for f in calls if f.done()), None), timeout=60,
-                            what="one of the two requests to be shed")
-            worker.resume()
-            results = [f.result() for f in calls]
+        shed, results = _two_calls_on_a_stopped_instance(j, feeds, "one of the two requests to be shed")
         assert isinstance(shed, InferenceServerException)
         assert shed.status() == "StatusCode.UNAVAILABLE", shed
         assert "over capacity" in shed.message() and "SLO" in shed.message()
@@ -378,21 +383,7 @@ def test_calls_over_the_jobs_connection_limit_are_resource_exhausted(model, refe
     try:
         feeds = _inputs(1)
         tgrpc.InferenceServerClient(j.grpc).infer("mio", _triton_inputs(feeds))
-        (worker,) = j.workers
-        worker.suspend()
-
-        def call():
-            try:
-                return tgrpc.InferenceServerClient(j.grpc).infer("mio", _triton_inputs(feeds))
-            except InferenceServerException as exc:
-                return exc
-
-        with ThreadPoolExecutor(2) as pool:
-            calls = [pool.submit(call) for _ in range(2)]
-            refused = wait_for(lambda: next((f.result() for f in calls if f.done()), None), timeout=60,
-                               what="one of the two calls to be refused")
-            worker.resume()
-            results = [f.result() for f in calls]
+        refused, results = _two_calls_on_a_stopped_instance(j, feeds, "one of the two calls to be refused")
         assert isinstance(refused, InferenceServerException) and refused.status() == "StatusCode.RESOURCE_EXHAUSTED"
         assert "limit" in refused.message().lower()
         (answered,) = [r for r in results if not isinstance(r, InferenceServerException)]
