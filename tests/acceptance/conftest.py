@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.acceptance.exported_models import SPECS, BuildUnavailable, ModelSpec, ensure_models
-from tests.agent.conftest import Daemon, _new_daemon, needs_rt_host  # noqa: F401 (re-exported for the modules)
+from tests.agent.conftest import Daemon, needs_rt_host, started_daemon  # noqa: F401 (re-exported for the modules)
 from tests.conftest import wait_for
 
 BACKENDS = ("onnxruntime", "openvino")
@@ -63,12 +63,8 @@ def assert_outputs_match(spec: ModelSpec, got: dict[str, np.ndarray], want: dict
 @pytest.fixture(scope="module")
 def agent() -> Iterator[Daemon]:
     """One real agent for the whole module (starting one costs seconds on a loaded machine)."""
-    daemon = _new_daemon()
-    try:
-        daemon.start()
+    with started_daemon() as daemon:
         yield daemon
-    finally:
-        daemon.cleanup()
 
 
 def remove_all(daemon: Daemon) -> None:

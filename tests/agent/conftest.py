@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -348,15 +349,22 @@ def _new_daemon(**config: Any) -> Daemon:
     return Daemon(base, unique_name("reamer-test"), **config)
 
 
-@pytest.fixture(scope="module")
-def shared_daemon() -> Iterator[Daemon]:
-    """One daemon per test module (starting one costs seconds on a loaded machine)."""
-    daemon = _new_daemon()
+@contextmanager
+def started_daemon(**config: Any) -> Iterator[Daemon]:
+    """A started Daemon, cleaned up on leaving (also when its start fails)."""
+    daemon = _new_daemon(**config)
     try:
         daemon.start()
         yield daemon
     finally:
         daemon.cleanup()
+
+
+@pytest.fixture(scope="module")
+def shared_daemon() -> Iterator[Daemon]:
+    """One daemon per test module (starting one costs seconds on a loaded machine)."""
+    with started_daemon() as daemon:
+        yield daemon
 
 
 @pytest.fixture
