@@ -171,3 +171,36 @@ def test_cli_search_defaults_to_auto_and_says_what_screening_found(paths, tmp_pa
     assert parse_layout(data["best"]["layout"]).backend == data["backend"]
     assert {s["backend"] for s in data["screening"]} == {"onnxruntime", "openvino"}
     assert all(s["throughput_rps"] for s in data["screening"])
+
+
+def test_job_serves_from_an_openvino_instance_with_streams(paths, tmp_path):
+    import subprocess
+    import sys
+
+    import httpx
+
+    from reamer.serve.spec import JobSpec
+    from tests.conftest import wait_for
+    from tests.serve.jobs import CPUS as JOB_CPUS, REPO, job_workers, read_status
+
+    spec = JobSpec(name="tiny", kind="online", model=paths["tiny"], backend="openvino", port=0,
+                   run_dir=str(tmp_path / "run"), instances=[InstanceSpec([JOB_CPUS[-1]], 2, 8, streams=2)],
+                   frontdoor_cpus=[JOB_CPUS[0]])
+    spec.save(tmp_path / "spec.json")
+    proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(tmp_path / "spec.json")], cwd=REPO)
+    try:
+        status = wait_for(lambda: (s := read_status(tmp_path / "run")) and s.state == "ready" and s.port and s,
+                          timeout=120, what="the job to be ready")
+        assert any("2s2" in " ".join(w.cmdline()) for w in job_workers(proc))  # 2 threads in 2 streams
+        x = np.random.default_rng(1).standard_normal((5, 16)).astype(np.float32)
+        r = httpx.post(f"http://127.0.0.1:{status.port}/v2/models/tiny/infer", timeout=60,
+                       json={"inputs": [{"name": "input", "shape": [5, 16], "datatype": "FP32",
+                                         "data": x.ravel().tolist()}]})
+        assert r.status_code == 200, r.text
+        got = np.asarray(r.json()["outputs"][0]["data"], np.float32).reshape(5, -1)
+        with open_backend("onnxruntime", paths["tiny"], 1) as ort_b:
+            want = next(iter(ort_b.run({"input": x}).values()))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    finally:
+        proc.terminate()
+        proc.wait(60)
