@@ -53,14 +53,17 @@ COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
 ERRORS = {400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 409: {"model": ErrorBody}, **COMMON_ERRORS}
 
 
+def _error_body(code: str, message: str, fix: str = "", data: dict | None = None) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "fix": fix, "data": data or {}}}
+
+
 def error_response(status: int, code: str, message: str, fix: str = "", data: dict | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"code": code, "message": message, "fix": fix, "data": data or {}}}
-    return JSONResponse(status_code=status, content=body, headers=headers)
+    return JSONResponse(status_code=status, content=_error_body(code, message, fix, data), headers=headers)
 
 
 async def _send_error(send: Any, status: int, code: str, message: str, fix: str) -> None:
-    body = json.dumps({"error": {"code": code, "message": message, "fix": fix, "data": {}}}).encode()
+    body = json.dumps(_error_body(code, message, fix)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
