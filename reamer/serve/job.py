@@ -168,14 +168,17 @@ class Job:
                                   max_request_bytes=limits.max_request_bytes, limits=limits)
         self.status.grpc_port = await grpc_door.start()
         self._write_status()  # the ports are known now, before the workers are up
-        serving = loop.create_task(door.serve())
-        grpc_serving = loop.create_task(grpc_door.serve())
+        serving = {"front door": loop.create_task(door.serve()),
+                   "gRPC front door": loop.create_task(grpc_door.serve())}
+
+        async def stop_doors() -> None:  # stop accepting; the requests in flight finish
+            door.request_stop()
+            grpc_door.request_stop()
+            await asyncio.gather(*serving.values())
 
         workers, errors = await loop.run_in_executor(None, self._start_workers, list(enumerate(spec.instances)))
         if len(errors) == len(workers):
-            door.request_stop()
-            grpc_door.request_stop()
-            await asyncio.gather(serving, grpc_serving)
+            await stop_doors()
             return self._fail(f"no instance could start: {errors[0]}")
         self.workers = workers
         for w in workers:
@@ -183,12 +186,10 @@ class Job:
 
         reloading: asyncio.Task | None = None
         while not self._stop.is_set():
-            if serving.done():
-                exc = serving.exception()
-                return self._fail(f"the front door stopped: {exc}" if exc else "the front door stopped")
-            if grpc_serving.done():
-                exc = grpc_serving.exception()
-                return self._fail(f"the gRPC front door stopped: {exc}" if exc else "the gRPC front door stopped")
+            for what, task in serving.items():
+                if task.done():
+                    exc = task.exception()
+                    return self._fail(f"the {what} stopped: {exc}" if exc else f"the {what} stopped")
             # Reload in the background (starting workers takes seconds) so status keeps flowing.
             if self._hup.is_set() and (reloading is None or reloading.done()):
                 self._hup.clear()
@@ -218,9 +219,7 @@ class Job:
         # Graceful stop: stop accepting, let requests in flight finish, then stop the workers.
         if reloading is not None and not reloading.done():
             await reloading
-        door.request_stop()
-        grpc_door.request_stop()
-        await asyncio.gather(serving, grpc_serving)
+        await stop_doors()
         await batcher.close()
         # State stays as it was: "done" would tell the agent an online job finished on its own.
         self.status.instances_ready = 0
