@@ -129,8 +129,8 @@ def check_cgroup(caller: Caller, path: str, rules: SecurityRules) -> str:
 
 def allowed_prefixes(caller: Caller, rules: SecurityRules) -> list[str]:
     """The config's prefixes with {uid} filled in for this caller."""
-    return [normalize_cgroup(p.replace("{uid}", str(caller.uid))) for p in rules.allowed_cgroup_prefixes
-            if normalize_cgroup(p.replace("{uid}", str(caller.uid)))]
+    filled = (normalize_cgroup(p.replace("{uid}", str(caller.uid))) for p in rules.allowed_cgroup_prefixes)
+    return [p for p in filled if p]
 
 
 def check_job_owner(caller: Caller, kind: str, name: str, owner_uid: int) -> None:
