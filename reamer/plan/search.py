@@ -634,8 +634,12 @@ def screen_backends(measure: BackendMeasureFn, backends: Sequence[str], n_cores:
     best backend on every one of them (ahead anywhere: it stays, the layouts may use that shape)."""
     if len(backends) < 2:
         return [BackendScreen(b, {}) for b in backends]
-    screens = [BackendScreen(b, {pt: measure(b, *pt).throughput_rps for pt in screening_points(n_cores, batches)})
-               for b in backends]
+    screens = [BackendScreen(b, {}) for b in backends]
+    # point by point, the backends back to back (order alternating): a machine whose load drifts over the
+    # screening then hits both sides of each comparison alike
+    for index, point in enumerate(screening_points(n_cores, batches)):
+        for screen in (screens if index % 2 == 0 else screens[::-1]):
+            screen.throughput[point] = measure(screen.backend, *point).throughput_rps
     for screen in screens:
         behind = []
         for point, rps in screen.throughput.items():
