@@ -160,33 +160,22 @@ def simulate_backends_one(model: CalibratedBackends, n_cores: int, slo: float | 
 def simulator_study(calibration: dict, models: list[str], cores: list[int], slos: list[float | None],
                     noises: list[float], seeds: int, batches: tuple[int, ...], enumerate_limit: int,
                     backends: str = "onnxruntime") -> list[dict]:
-    rows = []
     if backends == "auto":
-        for noise in noises:
-            base = calibrated_backends(calibration, noise=noise)
-            missing = [m for m in models if m not in base]
-            if missing:
-                raise SystemExit(f"error: {', '.join(missing)} not calibrated on every backend; run "
-                                 f"bench/search_calibration.py --backend openvino --models {','.join(missing)}")
-            for name in models:
-                for seed in range(seeds if noise else 1):
-                    model = base[name].with_noise(noise, seed)
-                    for n in cores:
-                        for slo in slos:
-                            rows.append(simulate_backends_one(model, n, slo, batches))
-        return rows
+        load, simulate = calibrated_backends, lambda m, n, slo: simulate_backends_one(m, n, slo, batches)
+        fix = "bench/search_calibration.py --backend openvino --models {} (not calibrated on every backend)"
+    else:
+        load, simulate = calibrated_models, lambda m, n, slo: simulate_one(m, n, slo, batches, enumerate_limit)
+        fix = "bench/search_calibration.py --models {} first (not in the calibration)"
+    rows = []
     for noise in noises:
-        base = calibrated_models(calibration, noise=noise)
+        base = load(calibration, noise=noise)
         missing = [m for m in models if m not in base]
         if missing:
-            raise SystemExit(f"error: {', '.join(missing)} not in the calibration; run bench/search_calibration.py "
-                             f"--models {','.join(missing)} first")
+            raise SystemExit(f"error: {', '.join(missing)}: run {fix.format(','.join(missing))}")
         for name in models:
             for seed in range(seeds if noise else 1):
                 model = base[name].with_noise(noise, seed)
-                for n in cores:
-                    for slo in slos:
-                        rows.append(simulate_one(model, n, slo, batches, enumerate_limit))
+                rows += [simulate(model, n, slo) for n in cores for slo in slos]
     return rows
 
 
