@@ -326,14 +326,19 @@ def _shapes_by_dim_name(inputs: Sequence["TensorInfo"], shapes: dict[str, tuple[
     return derived
 
 
+def _read_onnx(model_path: str | os.PathLike) -> Any:
+    """An ONNX file's graph (onnx.ModelProto), its external weights left unread."""
+    import onnx
+
+    return onnx.load(os.fspath(model_path), load_external_data=False)
+
+
 def _dim_names(model_path: str | os.PathLike) -> dict[str, list[str | None]]:
     """Symbolic dim names (dim_param) of an ONNX file's inputs; {} for other files."""
     if not str(model_path).endswith(".onnx"):
         return {}
-    import onnx
-
     try:
-        graph = onnx.load(os.fspath(model_path), load_external_data=False).graph
+        graph = _read_onnx(model_path).graph
     except Exception:  # noqa: BLE001 - without names, the defaults apply
         return {}
     return {vi.name: [d.dim_param or None for d in vi.type.tensor_type.shape.dim] for vi in graph.input}
@@ -388,12 +393,10 @@ def sample_batch(inputs: Sequence["TensorInfo"], batch: int, spec: SampleSpec | 
 
 def model_inputs(model_path: str | os.PathLike) -> list["TensorInfo"]:
     """The inputs of an ONNX file, read with the onnx package (no runtime, no external weights loaded)."""
-    import onnx
-
     from reamer.serve.tensors import TensorInfo, onnx_to_v2
 
     try:
-        model = onnx.load(os.fspath(model_path), load_external_data=False)
+        model = _read_onnx(model_path)
     except Exception as exc:  # noqa: BLE001 - protobuf raises its own types
         raise SampleError(f"cannot read the inputs of {model_path}: {exc}", "check that it is an ONNX file") from None
     weights = {t.name for t in model.graph.initializer}
@@ -418,10 +421,8 @@ def check_against_model(model_path: str | os.PathLike, spec: SampleSpec) -> None
 
 def inputs_feeding_node(model_path: str | os.PathLike, node_name: str) -> list[str]:
     """The graph inputs that reach node `node_name` (for naming the input behind a runtime's error)."""
-    import onnx
-
     try:
-        graph = onnx.load(os.fspath(model_path), load_external_data=False).graph
+        graph = _read_onnx(model_path).graph
     except Exception:  # noqa: BLE001 - only an explanation is lost
         return []
     weights = {t.name for t in graph.initializer}
