@@ -149,10 +149,3 @@ class Systemd:
         """Move processes into a unit's cgroup (or a sub-cgroup of it) through systemd."""
         self._manager("AttachProcessesToUnit", "ssau", (unit, subcgroup, list(pids)),
                       f"move pids {pids} back into {unit}")
-
-    def stop_unit(self, unit: str) -> None:
-        try:
-            self._manager("StopUnit", "ss", (unit, "fail"), f"stop {unit}")
-        except HostError as error:
-            if "NoSuchUnit" not in error.message:
-                raise
