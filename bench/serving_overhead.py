@@ -534,23 +534,29 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
         in_job_grpc: list[float] = []
         in_job_json: list[float] = []
 
-        def via_http() -> tuple[float, float]:
-            t0 = time.perf_counter()
-            status, headers = plain.post()
-            took = (time.perf_counter() - t0) * 1e3
-            if status != 200:
-                raise RuntimeError(f"front door answered {status}")
-            timing = _server_timing(headers.get("server-timing"))
-            in_job.append(timing["total"] - timing["compute"])
-            return took, took - timing["compute"]
+        def via_door(post, in_job_sink: list[float], what: str):
+            def way() -> tuple[float, float]:
+                t0 = time.perf_counter()
+                status, headers = post()
+                took = (time.perf_counter() - t0) * 1e3
+                if status != 200:
+                    raise RuntimeError(f"front door answered {status} to {what}")
+                timing = _server_timing(headers.get("server-timing"))
+                in_job_sink.append(timing["total"] - timing["compute"])
+                return took, took - timing["compute"]
+            return way
 
-        def via_triton() -> tuple[float, float]:
-            if client is None:
-                return float("nan"), float("nan")
-            t0 = time.perf_counter()
-            client.infer(name, tensors, outputs=outputs)
-            took = (time.perf_counter() - t0) * 1e3
-            return took, float("nan")  # tritonclient does not show the response headers
+        def via_triton_client(triton, *args, **kwargs):
+            def way() -> tuple[float, float]:  # tritonclient does not show the response headers
+                if triton is None:
+                    return float("nan"), float("nan")
+                t0 = time.perf_counter()
+                triton.infer(*args, **kwargs)
+                return (time.perf_counter() - t0) * 1e3, float("nan")
+            return way
+
+        via_http = via_door(plain.post, in_job, "a binary request")
+        via_triton = via_triton_client(client, name, tensors, outputs=outputs)
 
         def via_direct() -> tuple[float, float]:
             t0 = time.perf_counter()
@@ -566,23 +572,6 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
             took = (time.perf_counter() - t0) * 1e3
             return took, took - compute
 
-        def via_http_json() -> tuple[float, float]:
-            t0 = time.perf_counter()
-            status, headers = plain_json.post()
-            took = (time.perf_counter() - t0) * 1e3
-            if status != 200:
-                raise RuntimeError(f"front door answered {status} to a JSON request")
-            timing = _server_timing(headers.get("server-timing"))
-            in_job_json.append(timing["total"] - timing["compute"])
-            return took, took - timing["compute"]
-
-        def via_triton_json() -> tuple[float, float]:
-            if client is None:
-                return float("nan"), float("nan")
-            t0 = time.perf_counter()
-            client.infer(name, json_tensors, outputs=json_outputs)
-            return (time.perf_counter() - t0) * 1e3, float("nan")
-
         def via_grpc() -> tuple[float, float]:
             t0 = time.perf_counter()
             timing = rpc.infer()
@@ -590,17 +579,13 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
             in_job_grpc.append(timing["total"] - timing["compute"])
             return took, took - timing["compute"]
 
-        def via_triton_grpc() -> tuple[float, float]:
-            if triton_grpc is None:
-                return float("nan"), float("nan")
-            t0 = time.perf_counter()
-            triton_grpc.infer(name, grpc_tensors)
-            return (time.perf_counter() - t0) * 1e3, float("nan")
+        via_triton_grpc = via_triton_client(triton_grpc, name, grpc_tensors)
 
         ways = {"http": via_http, "tritonclient": via_triton, "direct": via_direct, "direct_tcp": via_direct_tcp,
                 "grpc": via_grpc, "tritonclient_grpc": via_triton_grpc}
         if plain_json is not None:
-            ways |= {"http_json": via_http_json, "tritonclient_json": via_triton_json}
+            ways |= {"http_json": via_door(plain_json.post, in_job_json, "a JSON request"),
+                     "tritonclient_json": via_triton_client(client, name, json_tensors, outputs=json_outputs)}
             lat |= {"http_json": [], "tritonclient_json": []}
         for _ in range(3):
             for way in ways.values():
