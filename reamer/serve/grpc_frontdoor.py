@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import struct
 import sys
 import time
 import traceback
@@ -146,11 +145,11 @@ def encode_infer_response(model_name: str, request_id: str, decoded: DecodedGrpc
         arr = np.asarray(outputs[name])
         out = resp.outputs.add(name=name, datatype=types[name], shape=arr.shape)
         if types[name] == "BYTES":  # string outputs: each element as bytes
-            items = [x if isinstance(x, bytes) else str(x).encode() for x in arr.reshape(-1).tolist()]
-            if decoded.raw:  # Triton's raw BYTES layout: a 4-byte little-endian length before each element
-                resp.raw_output_contents.append(b"".join(struct.pack("<I", len(x)) + x for x in items))
+            if decoded.raw:  # Triton's raw BYTES layout (le_bytes: a 4-byte length before each element)
+                resp.raw_output_contents.append(le_bytes(arr.astype(object, copy=False)))
             else:
-                out.contents.bytes_contents.extend(items)
+                out.contents.bytes_contents.extend(
+                    x if isinstance(x, bytes) else str(x).encode() for x in arr.reshape(-1).tolist())
         elif decoded.raw:
             resp.raw_output_contents.append(le_bytes(arr))
         else:
