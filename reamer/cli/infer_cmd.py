@@ -13,8 +13,6 @@ from reamer.cli.search_cmd import BackendOrAuto
 from reamer.host.cpulist import format_cpulist
 from reamer.host.errors import ReamerError
 
-BACKENDS = ("onnxruntime", "openvino")
-
 
 def register(cli: click.Group) -> None:
     cli.add_command(infer)
