@@ -229,9 +229,8 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
                              f"send {name} as {meta.datatype}")
         datatype = meta.datatype
         shape = item.get("shape")
-        if (not isinstance(shape, list) or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape)
-                or len(shape) != len(meta.shape)
-                or any(m >= 0 and d != m for d, m in zip(shape, meta.shape))):
+        if (not isinstance(shape, list) or any(not isinstance(d, int) or isinstance(d, bool) for d in shape)
+                or not meta.accepts_shape(shape)):
             raise BadRequest(f"{where} has shape {shape if isinstance(shape, list) else _kind(shape)} but the model "
                              f"expects {list(meta.shape)} (-1 = any size)",
                              f"reshape {name} to match; the first axis is the batch")

@@ -78,8 +78,7 @@ def decode_infer_request(req: Any, model_inputs: list[TensorInfo], model_outputs
             raise GrpcBadRequest(f"{where}.datatype is {item.datatype or 'empty'!r} but the model expects "
                                  f"{meta.datatype}", f"send {name} as {meta.datatype}")
         shape = list(item.shape)
-        if (len(shape) != len(meta.shape) or any(d < 0 for d in shape)
-                or any(m >= 0 and d != m for d, m in zip(shape, meta.shape))):
+        if not meta.accepts_shape(shape):
             raise GrpcBadRequest(f"{where}.shape is {shape} but the model expects {list(meta.shape)} (-1 = any size)",
                                  f"reshape {name} to match; the first axis is the batch")
         try:

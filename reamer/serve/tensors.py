@@ -50,6 +50,11 @@ class TensorInfo:
     def to_dict(self) -> dict:
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
 
+    def accepts_shape(self, dims: list[int]) -> bool:
+        """Whether a request's tensor of shape `dims` (non-negative ints) fits this one (-1: any size)."""
+        return (len(dims) == len(self.shape) and all(d >= 0 for d in dims)
+                and all(m < 0 or d == m for d, m in zip(dims, self.shape)))
+
 
 def _unsupported(what: object) -> UnsupportedDatatype:
     return UnsupportedDatatype(
