@@ -686,9 +686,7 @@ class Agent:
                                     kind=req.get("kind", "training"), pids=pids, owner_uid=caller.uid)
 
     def _owned_gpu_job(self, name: str, caller: Caller) -> Any:
-        if self.gpu is None:
-            raise NotFound(f"no GPU job named {name!r}: the GPU manager is not running", "see `reamer gpu status`")
-        check_job_owner(caller, "GPU", name, int(self.gpu.job(name).get("owner_uid", 0)))
+        check_job_owner(caller, "GPU", name, int(self.gpu_job(name).get("owner_uid", 0)))
         return self.gpu
 
     def gpu_update(self, name: str, req: dict[str, Any], caller: Caller = AGENT) -> dict[str, Any]:
