@@ -45,6 +45,9 @@ class InferenceMemoryGuard:
         self.emit = emit
         self.proc_root = proc_root
         self.jobs: dict[str, JobMemory] = {}
+        # the pids each job's were last brought to: their children inherit both the oom_score_adj and the
+        # cgroup, so an unchanged set needs no per-pid reads on the next pass
+        self._settled: dict[str, frozenset[int]] = {}
         self.message = ""  # why memory cgroups are unavailable ("" when they work)
         self.available = self._probe()
 
@@ -72,12 +75,16 @@ class InferenceMemoryGuard:
         for rec in records:
             if rec.state == "running" and rec.pid:
                 pids = job_processes([rec.pid])
-                self._prefer_as_victims(pids)
+                settled = self._settled.get(rec.name) == frozenset(pids)
+                if not settled:
+                    self._prefer_as_victims(pids)
                 if self.available:
                     try:
-                        self._contain(rec, pids)
+                        self._contain(rec, pids, settled)
                     except HostError as exc:
                         log.warning("memory cgroup of inference job %s: %s", rec.name, exc)
+                        continue
+                self._settled[rec.name] = frozenset(pids)
             if self.available and rec.name in self.jobs:
                 self._check_oom(rec.name)
 
@@ -91,19 +98,20 @@ class InferenceMemoryGuard:
             except HostError as exc:
                 log.warning("cannot set oom_score_adj of %d: %s", pid, exc)
 
-    def _contain(self, rec: Any, pids: list[int]) -> None:
+    def _contain(self, rec: Any, pids: list[int], settled: bool = False) -> None:
         path = self.cgroup_path(rec.name)
         job = self.jobs.get(rec.name)
         limit = self.limit_of(rec)
         if job is None or not self._exists(path):
             self.driver.create(path, controllers=(MEMORY,))
             job = self.jobs.setdefault(rec.name, JobMemory(limit_mb=-1.0))
+            settled = False  # a cgroup made anew holds none of them
         if job.limit_mb != limit:
             self.driver.set_memory_limit(path, None if limit is None else int(limit * MIB))
             job.limit_mb = limit
         if job.counter is None:
             job.counter = self.driver.oom_kills(path)
-        for pid in pids:
+        for pid in [] if settled else pids:
             try:
                 if self.driver.cgroup_of(pid).get(MEMORY, "").strip("/") != path:
                     self.driver.add_process(path, pid, controllers=(MEMORY,))
@@ -137,6 +145,7 @@ class InferenceMemoryGuard:
     def forget(self, name: str) -> None:
         """Remove the job's memory cgroup once its processes are gone."""
         self.jobs.pop(name, None)
+        self._settled.pop(name, None)
         if not self.available:
             return
         path = self.cgroup_path(name)
