@@ -125,11 +125,14 @@ def poisson_schedule(rate_rps: float, duration_s: float, rng: np.random.Generato
 
 
 async def run_load_async(url: str, body: dict | bytes, rate_rps: float, duration_s: float, *, seed: int = 0,
-                         timeout_s: float = 30.0, max_connections: int = 1000) -> LoadResult:
-    """Send `body` to `url` at Poisson arrivals for `duration_s`; wait for every answer (or timeout)."""
+                         timeout_s: float = 30.0, max_connections: int = 1000,
+                         headers: dict[str, str] | None = None) -> LoadResult:
+    """Send `body` to `url` at Poisson arrivals for `duration_s`; wait for every answer (or timeout).
+
+    `headers`: the request's headers (default JSON; binary tensors need their own, see reamer.serve.v2wire)."""
     schedule = poisson_schedule(rate_rps, duration_s, np.random.default_rng(seed))
     payload = body if isinstance(body, bytes) else json.dumps(body).encode()
-    headers = {"content-type": "application/json"}
+    headers = headers or {"content-type": "application/json"}
     result = LoadResult(url=url, rate_rps=rate_rps, duration_s=duration_s)
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
 
@@ -161,7 +164,8 @@ async def run_load_async(url: str, body: dict | bytes, rate_rps: float, duration
 
 
 def run_load(url: str, body: dict | bytes, rate_rps: float, duration_s: float, *, seed: int = 0,
-             timeout_s: float = 30.0, max_connections: int = 1000) -> LoadResult:
+             timeout_s: float = 30.0, max_connections: int = 1000,
+             headers: dict[str, str] | None = None) -> LoadResult:
     """Blocking wrapper of `run_load_async` (do not call from inside a running event loop)."""
     return asyncio.run(run_load_async(url, body, rate_rps, duration_s, seed=seed, timeout_s=timeout_s,
-                                      max_connections=max_connections))
+                                      max_connections=max_connections, headers=headers))
