@@ -4,6 +4,12 @@ Thread counts are always explicit: the runtimes size their pools from the machin
 process's cpuset or cgroup quota. ONNX Runtime spinning is off (cores may be shared), and OpenVINO's
 own thread pinning is off (reamer pins the process). The runtimes are imported only when a backend is
 opened, so a worker can set its CPU affinity first.
+
+Precision: "f32" (the default) computes as the model file says, so OpenVINO's answers match ONNX
+Runtime's; "bf16" lets OpenVINO compute in bfloat16 where the CPU supports it (its own default on such
+CPUs). OpenVINO falls back to f32 silently where the CPU has no bf16, so a backend reports the precision
+it actually runs (`Backend.precision`), read back from the compiled model, never the one asked for.
+ONNX Runtime's CPU provider has no bf16 path: it always computes in f32.
 """
 from __future__ import annotations
 
@@ -16,13 +22,30 @@ import numpy as np
 from reamer.host.errors import ReamerError
 from reamer.serve.tensors import TensorInfo, numpy_to_v2, ort_type_to_v2, v2_to_numpy
 
-__all__ = ["BACKENDS", "Backend", "BackendError", "TensorInfo", "open_backend", "sample_inputs"]
+__all__ = ["BACKENDS", "DEFAULT_PRECISION", "PRECISIONS", "Backend", "BackendError", "TensorInfo",
+           "check_precision", "compute_precision", "open_backend", "sample_inputs"]
 
 BACKENDS: tuple[str, ...] = ("onnxruntime", "openvino")
+PRECISIONS: tuple[str, ...] = ("f32", "bf16")
+DEFAULT_PRECISION = "f32"
+PRECISION_FIX = ("use --precision f32 (the default: answers as ONNX Runtime computes them) or --precision bf16 "
+                 "(OpenVINO computes in bfloat16 where the CPU supports it: faster, answers differ slightly)")
 
 
 class BackendError(ReamerError):
     """A backend cannot be opened, or a request does not fit the model."""
+
+
+def check_precision(value: object) -> str:
+    """`value` if it is a precision reamer knows ("f32" | "bf16"), else a BackendError naming the fix."""
+    if value not in PRECISIONS:
+        raise BackendError(f"unknown precision {value!r}: reamer knows {', '.join(PRECISIONS)}", PRECISION_FIX)
+    return str(value)
+
+
+def compute_precision(kind: str, precision: str) -> str:
+    """The precision `kind` is asked to compute in for a job at `precision`: ONNX Runtime has only f32."""
+    return check_precision(precision) if kind == "openvino" else DEFAULT_PRECISION
 
 
 class Backend(ABC):
@@ -32,6 +55,7 @@ class Backend(ABC):
     model_path: str
     threads: int
     streams: int = 1
+    precision: str = DEFAULT_PRECISION  # the precision it computes in (effective, not the one asked for)
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
 
@@ -126,7 +150,8 @@ class OnnxRuntimeBackend(Backend):
 class OpenVinoBackend(Backend):
     kind = "openvino"
 
-    def __init__(self, model_path: str, threads: int, streams: int = 1) -> None:
+    def __init__(self, model_path: str, threads: int, streams: int = 1,
+                 precision: str = DEFAULT_PRECISION) -> None:
         import openvino as ov
         import openvino.properties as props
         import openvino.properties.hint as hints
@@ -152,7 +177,7 @@ class OpenVinoBackend(Backend):
         config = {
             props.inference_num_threads(): threads,
             props.hint.enable_cpu_pinning(): False,
-            hints.inference_precision(): ov.Type.f32,
+            hints.inference_precision(): ov.Type.bf16 if precision == "bf16" else ov.Type.f32,
             props.num_streams(): streams,
             hints.performance_mode(): hints.PerformanceMode.LATENCY if streams == 1
             else hints.PerformanceMode.THROUGHPUT,
@@ -166,6 +191,8 @@ class OpenVinoBackend(Backend):
         # one more request per further stream: a batch is split among them and they run in parallel
         self._stream_requests = [self._request] + [self._compiled.create_infer_request() for _ in range(streams - 1)]
         self.model_path, self.threads, self.streams = model_path, threads, streams
+        # OpenVINO keeps f32 where the CPU has no native bf16: report what the compiled model runs
+        self.precision = _precision_name(self._compiled.get_property(hints.inference_precision()))
         self.inputs = [_ov_info(n, p) for n, p in zip(in_names, self._compiled.inputs)]
         self.outputs = [_ov_info(n, p) for n, p in zip(out_names, self._compiled.outputs)]
         self._out_ports = list(self._compiled.outputs)
@@ -198,6 +225,13 @@ class OpenVinoBackend(Backend):
         self._compiled = None
 
 
+def _precision_name(element_type: Any) -> str:
+    import openvino as ov
+
+    names = {ov.Type.f32: "f32", ov.Type.bf16: "bf16", ov.Type.f16: "f16"}
+    return names.get(element_type, str(element_type))
+
+
 def _dims(shape: list) -> list[int]:
     return [d if isinstance(d, int) and d >= 0 else -1 for d in shape]
 
@@ -208,9 +242,12 @@ def _ov_info(name: str, port: Any) -> TensorInfo:
     return TensorInfo(name, numpy_to_v2(port.get_element_type().to_dtype()), dims)
 
 
-def open_backend(kind: str, model_path: str | os.PathLike, threads: int, streams: int = 1) -> Backend:
+def open_backend(kind: str, model_path: str | os.PathLike, threads: int, streams: int = 1,
+                 precision: str = DEFAULT_PRECISION) -> Backend:
     """Load `model_path` with backend `kind` ("onnxruntime" | "openvino") using exactly `threads` threads;
-    OpenVINO may split them among `streams` parallel streams (each batch is split among them)."""
+    OpenVINO may split them among `streams` parallel streams (each batch is split among them) and, at
+    `precision` "bf16", compute in bfloat16 where the CPU supports it (see `Backend.precision`)."""
+    check_precision(precision)
     if kind not in BACKENDS:
         raise BackendError(f"unknown backend {kind!r}", f"choose one of: {', '.join(BACKENDS)}")
     if not isinstance(threads, int) or threads < 1:
@@ -227,7 +264,7 @@ def open_backend(kind: str, model_path: str | os.PathLike, threads: int, streams
         raise BackendError(f"model file {path} does not exist", "build one with `reamer models build NAME --out FILE`")
     if kind == "onnxruntime":
         return OnnxRuntimeBackend(path, threads)
-    return OpenVinoBackend(path, threads, streams)
+    return OpenVinoBackend(path, threads, streams, precision)
 
 
 def sample_inputs(backend: Backend, batch: int, rng: np.random.Generator | None = None,

@@ -107,28 +107,30 @@ def batch_choices(max_batch: int) -> list[int]:
 
 
 def cached_points(cache_dir: str | os.PathLike | None, model_path: str, backend: str,
-                  samples: SampleSpec | None = None) -> list[ProfilePoint]:
+                  samples: SampleSpec | None = None, precision: str = "f32") -> list[ProfilePoint]:
     """The single-instance points cached for (model, backend, this CPU model, traffic); [] when none."""
     if not cache_dir:
         return []
     from reamer.serve.profile_cache import ProfileCache, model_key
 
-    return ProfileCache(cache_dir).get(model_key(model_path, backend, samples=samples)) or []
+    return ProfileCache(cache_dir).get(model_key(model_path, backend, samples=samples, precision=precision)) or []
 
 
 def store_points(cache_dir: str | os.PathLike, model_path: str, backend: str, new_points: Sequence[ProfilePoint],
-                 source: str = "layout search", samples: SampleSpec | None = None) -> None:
+                 source: str = "layout search", samples: SampleSpec | None = None, precision: str = "f32") -> None:
     """Merge `new_points` into the cache entry (a newer measurement of a shape replaces the old)."""
     if not new_points:
         return
+    from reamer.serve.backends import compute_precision
     from reamer.serve.profile_cache import ProfileCache, model_key
 
-    cache, key = ProfileCache(cache_dir), model_key(model_path, backend, samples=samples)
+    cache, key = ProfileCache(cache_dir), model_key(model_path, backend, samples=samples, precision=precision)
     merged = {(p.cores, p.batch): p for p in cache.get(key) or []}  # re-read: another search may have added
     merged.update({(p.cores, p.batch): p for p in new_points})
     try:
         cache.put(key, sorted(merged.values(), key=lambda p: (p.cores, p.batch)),
                   meta={"model": os.path.basename(model_path), "backend": backend, "source": source,
+                        "precision": compute_precision(backend, precision),
                         "samples": samples.describe() if samples is not None else "default sample inputs"})
     except OSError as error:
         raise ProfileCacheUnwritable(f"cannot write the profile cache {cache_dir}: {error.strerror}",
@@ -140,8 +142,9 @@ class _Runs:
 
     def __init__(self, model_path: str, backend: str, cpus: list[int], settings: MeasureSettings,
                  cached: Sequence[ProfilePoint], deadline: float | None, samples: SampleSpec | None = None,
-                 rows: list[MeasurementRow] | None = None, tag: bool = False) -> None:
+                 rows: list[MeasurementRow] | None = None, tag: bool = False, precision: str = "f32") -> None:
         self.model_path, self.backend, self.cpus, self.settings = model_path, backend, cpus, settings
+        self.precision = precision
         self.samples = samples
         self.cached = {(p.cores, p.batch): p for p in cached}
         self.deadline = deadline
@@ -166,7 +169,7 @@ class _Runs:
             s = self.settings
             point = measure_point(self.model_path, self.backend, cores, batch, self.cpus, warmup_s=s.warmup_s,
                                   window_s=s.window_s, max_windows=s.max_windows, timeout_s=self._timeout_s(),
-                                  samples=self.samples)
+                                  samples=self.samples, precision=self.precision)
             self.new_points.append(point)
         self.rows.append(MeasurementRow("point", f"1x{cores}:b{batch}{self.suffix}", cores, 1, str(batch),
                                         point.throughput_rps, point.p99_ms, time.monotonic() - started,
@@ -181,7 +184,7 @@ class _Runs:
         s = self.settings
         rps, p99 = measure_layout(self.model_path, self.backend, layout, self.cpus, warmup_s=s.warmup_s,
                                   window_s=s.window_s, windows=s.verify_windows, timeout_s=timeout_s,
-                                  samples=self.samples)
+                                  samples=self.samples, precision=self.precision)
         batches = sorted({shape.batch for shape in layout.instances})
         label = format_layout(layout.on(self.backend if self.suffix else None))
         self.rows.append(MeasurementRow("layout", label, layout.total_cores, len(layout.instances),
@@ -251,6 +254,7 @@ def search_layout(
     strict_cache: bool = True,
     samples: SampleSpec | None = None,
     drop_margin: float = 0.15,
+    precision: str = "f32",
 ) -> LayoutSearchOutcome:
     """Find the best layout for the model on all of `cpus` (one core per cpu), measured on them.
 
@@ -258,7 +262,8 @@ def search_layout(
     the ones more than `drop_margin` behind dropped, the rest searched; the best layout names its
     backend). `cache_dir` None: neither read nor write cached points. `budget_s`: stop measuring once this much
     time has passed (the run under way finishes) and plan from the points measured by then
-    (`complete=False`). `samples`: the traffic's shapes and data (they are part of the cache key). Raises reamer.serve.profiler.ProfileError when a measurement fails (points
+    (`complete=False`). `precision`: "f32" or "bf16" (OpenVINO computes in bfloat16 where the CPU supports it;
+    part of the cache key). `samples`: the traffic's shapes and data (they are part of the cache key). Raises reamer.serve.profiler.ProfileError when a measurement fails (points
     measured before it are still cached) and, with `strict_cache`, ProfileCacheUnwritable when the
     cache cannot be written (else that is logged and the outcome returned).
     """
@@ -270,8 +275,8 @@ def search_layout(
     n_cores = len(cpus)
     deadline = time.monotonic() + budget_s if budget_s is not None else None
     rows: list[MeasurementRow] = []
-    runs = {b: _Runs(model_path, b, cpus, settings, cached_points(cache_dir, model_path, b, samples), deadline,
-                     samples, rows, tag=len(backends) > 1) for b in backends}
+    runs = {b: _Runs(model_path, b, cpus, settings, cached_points(cache_dir, model_path, b, samples, precision),
+                     deadline, samples, rows, tag=len(backends) > 1, precision=precision) for b in backends}
     space = count_backend_layouts(n_cores, batches, backends) if not exhaustive else \
         count_layouts(n_cores, batches) * len(backends)
     complete, base, screens = True, None, []
@@ -322,7 +327,7 @@ def search_layout(
         if cache_dir:  # what was measured stays useful, even when the search failed half-way
             for b, r in runs.items():
                 try:
-                    store_points(cache_dir, model_path, b, r.new_points, cache_source, samples)
+                    store_points(cache_dir, model_path, b, r.new_points, cache_source, samples, precision)
                 except ProfileCacheUnwritable as exc:
                     if strict_cache:
                         raise

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from reamer.plan.partition import ProfilePoint
+from reamer.serve.backends import DEFAULT_PRECISION, compute_precision
 from reamer.serve.samples import SampleSpec
 from reamer.serve.spec import write_atomic
 
@@ -23,10 +24,11 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def model_key(model_path: str | os.PathLike, backend: str, cpu_model: str | None = None,
-              samples: SampleSpec | None = None) -> str:
-    """Cache key: sha256 over the model file's sha256, the backend, the CPU model name and, when the
+              samples: SampleSpec | None = None, precision: str = "f32") -> str:
+    """Cache key: sha256 over the model file's sha256, the backend, the CPU model name, when the
     traffic was described, its shapes and the sample data's sha256 (a BERT profiled at sequence 128 is
-    another profile than at 16).
+    another profile than at 16) and, where the backend computes in a precision other than f32 (OpenVINO
+    at bf16), that precision. f32 keys are the ones reamer always used, so existing caches stay valid.
 
     `cpu_model` defaults to this host's (from reamer.host.topology).
     """
@@ -38,6 +40,9 @@ def model_key(model_path: str | os.PathLike, backend: str, cpu_model: str | None
     traffic = samples.cache_material() if samples is not None else None
     if traffic is not None:  # the default inputs keep the key they always had
         parts.append(traffic)
+    computes = compute_precision(backend, precision)
+    if computes != DEFAULT_PRECISION:  # a bf16 point is another measurement than an f32 one
+        parts.append({"precision": computes})
     material = json.dumps(parts)
     return hashlib.sha256(material.encode()).hexdigest()
 

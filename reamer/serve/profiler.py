@@ -51,6 +51,7 @@ class WorkerConfig:
     seed: int = 0
     samples: dict | None = None  # samples.SampleSpec.to_doc(): the traffic's shapes and sample data
     streams: int = 1  # OpenVINO streams sharing `threads` (each batch is split among them)
+    precision: str = "f32"  # "bf16": OpenVINO computes in bfloat16 where the CPU supports it
 
 
 @dataclass
@@ -216,24 +217,25 @@ def measure_point(model_path: str | os.PathLike, backend: str, cores: int, batch
                   cpus: Sequence[int] | None = None, *, warmup_s: float = 1.0, window_s: float = 0.5,
                   max_windows: int = 10, stability: float = 0.10, timeout_s: float = 600.0,
                   samples: "SampleSpec | None" = None, threads: int | None = None,
-                  streams: int = 1) -> "ProfilePoint":
+                  streams: int = 1, precision: str = "f32") -> "ProfilePoint":
     """One instance with `cores` cores (`threads`, default = cores, in `streams` streams) and batch `batch`, alone
     on the first `cores` of `cpus`, fed by `samples` (the traffic's shapes and data; default: reamer.serve.samples'
-    rule)."""
+    rule), computing at the job's `precision`."""
     from reamer.plan.partition import ProfilePoint
 
     if cores < 1 or batch < 1:
         raise ProfileError(f"cores ({cores}) and batch ({batch}) must be >= 1", "pass positive values")
     chosen = _usable_cpus(cpus, cores)[:cores]
     cfg = WorkerConfig(os.fspath(model_path), backend, chosen, threads or cores, batch, warmup_s, window_s,
-                       max(3, max_windows), stability, samples=_doc(samples), streams=streams)
+                       max(3, max_windows), stability, samples=_doc(samples), streams=streams, precision=precision)
     (res,) = _run_workers([cfg], timeout_s)
     return ProfilePoint(cores=cores, batch=batch, throughput_rps=res.throughput_rps, p99_ms=p99(res.latencies_ms))
 
 
 def measure_layout_detail(model_path: str | os.PathLike, backend: str, layout: Any, cpus: Sequence[int], *,
                           warmup_s: float = 1.0, window_s: float = 0.5, windows: int = 4,
-                          timeout_s: float = 600.0, samples: "SampleSpec | None" = None) -> LayoutMeasurement:
+                          timeout_s: float = 600.0, samples: "SampleSpec | None" = None,
+                          precision: str = "f32") -> LayoutMeasurement:
     """Run every instance of `layout` (a plan.layout.Layout) together on disjoint slices of `cpus`."""
     instances = list(layout.instances)
     chosen = _usable_cpus(cpus, sum(i.cores for i in instances))
@@ -242,7 +244,8 @@ def measure_layout_detail(model_path: str | os.PathLike, backend: str, layout: A
         threads = getattr(inst, "threads", None) or inst.cores
         configs.append(WorkerConfig(os.fspath(model_path), backend, chosen[start:start + inst.cores], threads,
                                     inst.batch, warmup_s, window_s, windows, 0.0, fixed_windows=max(1, windows),
-                                    samples=_doc(samples), streams=getattr(inst, "streams", 1)))
+                                    samples=_doc(samples), streams=getattr(inst, "streams", 1),
+                                    precision=precision))
         start += inst.cores
     results = _run_workers(configs, timeout_s)
     pooled = [lat for r in results for lat in r.latencies_ms]
@@ -285,7 +288,7 @@ def _worker_main(config_json: str) -> int:
     from reamer.serve.samples import SampleSpec, explain_failure, plan_samples
 
     try:
-        backend = open_backend(cfg.backend, cfg.model_path, cfg.threads, cfg.streams)
+        backend = open_backend(cfg.backend, cfg.model_path, cfg.threads, cfg.streams, cfg.precision)
         plan = plan_samples(backend.inputs, SampleSpec.from_doc(cfg.samples), cfg.model_path)
         feeds = plan.batch(cfg.batch, np.random.default_rng(cfg.seed))
     except ReamerError as exc:
@@ -301,7 +304,8 @@ def _worker_main(config_json: str) -> int:
     warm_until = time.perf_counter() + cfg.warmup_s
     while time.perf_counter() < warm_until:
         backend.run(feeds)
-    _emit("READY", {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "threads": cfg.threads})
+    _emit("READY", {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "threads": cfg.threads,
+                    "precision": backend.precision})
     if sys.stdin.readline().strip() != "GO":
         return 0  # parent went away
     res = WorkerResult(cfg.cpus, cfg.threads, cfg.batch)
