@@ -74,7 +74,7 @@ def choose_for(chooser: LayoutChooser, rec: "InferenceRecord", cpus: list[int]) 
     and measures (and looks up cached profiles) with the job's traffic shapes and sample data."""
     if isinstance(chooser, ProfileCacheChooser):
         return chooser(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps, max_batch=rec.max_batch,
-                       samples=rec.samples())
+                       samples=rec.samples(), precision=rec.precision)
     return chooser(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps)
 
 
@@ -112,42 +112,46 @@ class ProfileCacheChooser:
 
     def __call__(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
                  rate_rps: float | None, *, max_batch: int | None = None,
-                 samples: "SampleSpec | None" = None) -> LayoutChoice | None:
+                 samples: "SampleSpec | None" = None, precision: str = "f32") -> LayoutChoice | None:
         """`max_batch`: the job's largest batch (None: up to the configured search_max_batch). `samples`: the
-        traffic's shapes and data (profiles are cached per traffic)."""
+        traffic's shapes and data (profiles are cached per traffic). `precision`: the job's (profiles of
+        OpenVINO at bf16 are cached apart from f32 ones)."""
         if not cpus:
             return None
-        choice = self._from_cache(model, backend, cpus, slo_ms, rate_rps, max_batch, samples)
+        choice = self._from_cache(model, backend, cpus, slo_ms, rate_rps, max_batch, samples, precision)
         if choice is not None or self.search is None:
             return choice
         asked = time.monotonic()
         with self._searching:  # concurrent deploys see the same free cpus: their searches take turns
             # a search that ran while we waited may have cached what we need
-            return self._from_cache(model, backend, cpus, slo_ms, rate_rps, max_batch, samples) or \
+            return self._from_cache(model, backend, cpus, slo_ms, rate_rps, max_batch, samples, precision) or \
                 self._measure(model, backend, cpus, slo_ms, rate_rps, max_batch,
-                              budget_s=self.search.budget_s - (time.monotonic() - asked), samples=samples)
+                              budget_s=self.search.budget_s - (time.monotonic() - asked), samples=samples,
+                              precision=precision)
 
-    def _cached_points(self, model: str, backend: str, samples: "SampleSpec | None" = None) -> list:
+    def _cached_points(self, model: str, backend: str, samples: "SampleSpec | None" = None,
+                       precision: str = "f32") -> list:
         from reamer.serve.profile_cache import ProfileCache, model_key
 
         if not self.profile_dir.is_dir():
             return []
         try:
-            return ProfileCache(self.profile_dir).get(model_key(model, backend, samples=samples)) or []
+            return ProfileCache(self.profile_dir).get(model_key(model, backend, samples=samples,
+                                                                precision=precision)) or []
         except (OSError, ValueError) as exc:  # an unreadable cache is a miss, never a failed deploy
             log.debug("no profile for %s/%s: %s", model, backend, exc)
             return []
 
     def _from_cache(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
                     rate_rps: float | None, max_batch: int | None,
-                    samples: "SampleSpec | None" = None) -> LayoutChoice | None:
+                    samples: "SampleSpec | None" = None, precision: str = "f32") -> LayoutChoice | None:
         from reamer.plan.partition import NoFeasibleLayout
         from reamer.plan.search import plan_from_profile
 
         backends = installed_backends() if backend == AUTO_BACKEND else [backend]
         plans, refusals = [], []
         for one in backends:
-            points = [p for p in self._cached_points(model, one, samples)
+            points = [p for p in self._cached_points(model, one, samples, precision)
                       if max_batch is None or p.batch <= max_batch]
             # a profile measured on fewer cores than are free now is a miss when we may measure
             if not points or (self.search is not None and max(p.cores for p in points) < len(cpus)):
@@ -165,20 +169,22 @@ class ProfileCacheChooser:
 
     def _measure(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
                  rate_rps: float | None, max_batch: int | None, budget_s: float,
-                 samples: "SampleSpec | None" = None) -> LayoutChoice | None:
+                 samples: "SampleSpec | None" = None, precision: str = "f32") -> LayoutChoice | None:
         """The search within `budget_s` (what is left of search.budget_s after waiting for another)."""
         from reamer.serve.layout_search import MeasureSettings, batch_choices, search_layout
 
         assert self.search is not None
         s = self.search
         budget_s = max(budget_s, 1e-6)
-        log.info("searching a layout for %s (%s) on cpus %s, budget %.1fs", model, backend, cpus, budget_s)
+        log.info("searching a layout for %s (%s, %s) on cpus %s, budget %.1fs", model, backend, precision, cpus,
+                 budget_s)
         try:
             outcome = search_layout(model, backend, cpus, slo_ms, cache_dir=self.profile_dir,
                                     batches=batch_choices(min(s.max_batch, max_batch or s.max_batch)),
                                     budget_s=budget_s,
                                     settings=MeasureSettings(warmup_s=s.warmup_s, window_s=s.window_s),
-                                    strict_cache=False, cache_source="agent deploy", samples=samples)
+                                    strict_cache=False, cache_source="agent deploy", samples=samples,
+                                    precision=precision)
         except ReamerError as exc:  # the model would not run here: the job itself will say why
             log.warning("layout search for %s failed: %s", model, exc)
             return None
@@ -228,6 +234,7 @@ class InferenceRecord:
     input_dir: str | None = None
     output_dir: str | None = None
     max_batch: int | None = None
+    precision: str = "f32"  # asked for: "f32" | "bf16" (what runs: the job's status, JobStatus.precision)
     layout: str | None = None  # asked for or chosen; None = default
     cores: int | None = None  # online without a layout: one instance on this many cores (all free at deploy)
     state: str = "pending"  # running | pending | done | failed
@@ -447,7 +454,7 @@ class InferenceSupervisor:
                        input_dir=rec.input_dir, output_dir=rec.output_dir, run_dir=str(self.job_dir(rec.name)),
                        max_request_mb=self.max_request_mb, frontdoor=dict(self.frontdoor),
                        log_max_mb=self.job_log_mb, host=rec.bind_address or self.bind_address,
-                       shapes=dict(rec.shapes), input_data=rec.input_data)
+                       shapes=dict(rec.shapes), input_data=rec.input_data, precision=rec.precision)
 
     def url(self, rec: InferenceRecord) -> str | None:
         """The URL a client uses for an online job's REST front door (see client_url)."""
@@ -734,12 +741,25 @@ def validate_request(req: dict[str, Any], default_backend: str) -> InferenceReco
                              "give gRPC another port, or leave grpc_port out to get a free one")
     shapes, input_data = _checked_traffic(req, model)
     bind_address = _checked_bind_address(req.get("bind_address"), kind)
+    precision = _checked_precision(req.get("precision"))
     return InferenceRecord(name=req["name"], model=str(model), kind=kind, backend=backend,
                            shapes=shapes, input_data=input_data, bind_address=bind_address,
                            slo_ms=req.get("slo_ms"), rate_rps=req.get("rate_rps"), port=req.get("port"),
                            grpc_port=req.get("grpc_port"),
                            input_dir=req.get("input_dir"), output_dir=req.get("output_dir"),
-                           max_batch=req.get("max_batch"), layout=layout or None)
+                           max_batch=req.get("max_batch"), layout=layout or None, precision=precision)
+
+
+def _checked_precision(asked: Any) -> str:
+    from reamer.serve.spec import DEFAULT_PRECISION, PRECISION_FIX, PRECISIONS, canonical_precision
+
+    if asked is None:
+        return DEFAULT_PRECISION
+    precision = canonical_precision(asked)
+    if precision is None:
+        raise InvalidRequest(f"precision {asked!r} is unknown: reamer runs {' or '.join(PRECISIONS)}",
+                             PRECISION_FIX)
+    return precision
 
 
 def _checked_traffic(req: dict[str, Any], model: Path) -> tuple[dict[str, list[int]], str | None]:

@@ -594,7 +594,8 @@ class Agent:
                 if rec.name in self.memory.jobs else 0,
                 "bind_address": (rec.bind_address or self.supervisor.bind_address) if rec.kind == "online" else None,
                 "url": self.supervisor.url(rec), "grpc_target": self.supervisor.grpc_target(rec),
-                "shapes": rec.shapes, "input_data": rec.input_data}
+                "shapes": rec.shapes, "input_data": rec.input_data, "precision": rec.precision,
+                "effective_precision": status.precision if status is not None else None}
 
     def list_inference(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -158,6 +158,9 @@ class InferenceJobRequest(_Body):
     # sample-data file on the node (.npz of named arrays, or perf_analyzer's JSON input data)
     shapes: Optional[dict[str, list[int]]] = Field(default=None, max_length=1024)
     input_data: Optional[str] = Field(default=None, max_length=MAX_PATH)
+    # "f32" (default: answers as ONNX Runtime computes them) | "bf16" (OpenVINO computes in bfloat16 where
+    # the CPU supports it; ONNX Runtime stays f32). Checked by the agent: an unknown value is a 400.
+    precision: Optional[str] = Field(default=None, max_length=16)
 
     @model_validator(mode="after")
     def _kind_fields(self) -> "InferenceJobRequest":
@@ -214,6 +217,10 @@ class InferenceJob(_Response):
     grpc_target: Optional[str] = None  # online: HOST:PORT gRPC clients dial (tritonclient.grpc's url), same host
     shapes: dict[str, list[int]] = Field(default_factory=dict)
     input_data: Optional[str] = None
+    precision: str = "f32"  # asked for: "f32" | "bf16"
+    # what its instances compute in, as the runtime reports it (OpenVINO keeps f32 on a CPU without bf16;
+    # ONNX Runtime is always f32); None until an instance is ready
+    effective_precision: Optional[str] = None
 
 
 class InferenceJobList(_Response):

@@ -9,7 +9,7 @@ import click
 from reamer.cli.common import (BadInput, CliContext, ReamerGroup, emit, field, pass_cli,
                                render_fields, render_table, sample_spec, traffic_options)
 from reamer.cli.node_cmd import inference_progress, render_inference_table
-from reamer.cli.search_cmd import BackendOrAuto
+from reamer.cli.search_cmd import PRECISION_HELP, BackendOrAuto, PrecisionChoice, describe_precision
 from reamer.host.cpulist import format_cpulist
 from reamer.host.errors import ReamerError
 
@@ -26,7 +26,7 @@ def infer() -> None:
 
 def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, rate, port, input_dir, output_dir,
                    backend, max_batch, layout, grpc_port=None, shapes=(), input_data=None, bind=None,
-                   memory_limit_mb=None) -> dict:
+                   memory_limit_mb=None, precision=None) -> dict:
     if online == offline:
         raise BadInput("say whether the job is --online or --offline", "add --online --slo-ms MS, or "
                        "--offline --input DIR --output DIR")
@@ -59,7 +59,7 @@ def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, r
                "input_dir": os.path.abspath(input_dir) if input_dir else None,
                "output_dir": os.path.abspath(output_dir) if output_dir else None,
                "backend": backend, "max_batch": max_batch, "layout": layout, "bind_address": bind,
-               "memory_limit_mb": memory_limit_mb}
+               "memory_limit_mb": memory_limit_mb, "precision": precision}
     samples = sample_spec(shapes, input_data)
     if samples.shapes:
         request["shapes"] = {k: list(v) for k, v in samples.shapes.items()}
@@ -117,6 +117,7 @@ def wait_for_job(client, name: str, kind: str, timeout_s: float | None = None, s
 @click.option("--backend", type=BackendOrAuto(), default=None,
               help="Inference runtime; auto: the layout search picks it (default: config, auto).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest dynamic batch.")
+@click.option("--precision", type=PrecisionChoice(), default=None, help=PRECISION_HELP)
 @click.option("--layout", default=None, metavar="SPEC", help='Instances, e.g. "2x1:b4+1x2:b8" (see `reamer search`).')
 @click.option("--bind", default=None, metavar="ADDRESS",
               help="Online: listen on this one address of the node (default: inference.bind_address, 0.0.0.0 = all).")
@@ -127,20 +128,21 @@ def wait_for_job(client, name: str, kind: str, timeout_s: float | None = None, s
 @pass_cli
 def deploy(cli: CliContext, name, model, online, offline, slo_ms, rate, port, input_dir, output_dir, backend,
            max_batch, layout, wait, grpc_port=None, bind=None, memory_limit_mb=None, shapes=(),
-           input_data=None) -> None:
+           input_data=None, precision=None) -> None:
     """Deploy an inference job on the idle cores.
 
     --shape and --input-data describe the traffic as perf_analyzer takes it: the layout search, admission
     and the instances' warm-up run on them (default: every dynamic dim 16, zeros for integer inputs)."""
     request = deploy_request(name, model, online, offline, slo_ms, rate, port, input_dir, output_dir, backend,
                              max_batch, layout, grpc_port=grpc_port, shapes=shapes, input_data=input_data,
-                             bind=bind, memory_limit_mb=memory_limit_mb)
+                             bind=bind, memory_limit_mb=memory_limit_mb, precision=precision)
     client = cli.client()
     job = client.deploy_inference(request)
     if wait:
         job = wait_for_job(client, name, request["kind"], show_progress=not cli.json)
     emit(cli, job, lambda j: f"deployed {field(j, 'name')} ({field(j, 'kind')}): {field(j, 'state')}"
                              + (f", layout {field(j, 'layout')}" if field(j, "layout") else "")
+                             + (f", precision {_precision_text(j)}" if _precision_text(j) != "f32" else "")
                              + (f", {field(j, 'url')}" if field(j, "url") else
                                 (f", port {field(j, 'port')}" if field(j, "port") else ""))
                              + (f", gRPC {field(j, 'grpc_target') or field(j, 'grpc_port')}" if field(j, "grpc_port") else "")
@@ -158,6 +160,7 @@ def render_job(job) -> str:
     head = render_fields([
         ("name", field(job, "name")), ("kind", field(job, "kind")), ("state", field(job, "state")),
         ("model", field(job, "model")), ("backend", field(job, "backend")), ("layout", field(job, "layout")),
+        ("precision", _precision_text(job)),
         ("slo ms", field(job, "slo_ms")), ("rate rps", field(job, "rate_rps")), ("port", field(job, "port")),
         ("grpc port", field(job, "grpc_port")), ("url", field(job, "url")), ("grpc target", field(job, "grpc_target")), ("listens on", field(job, "bind_address")),
         ("shapes", " ".join(f"{k}:{','.join(map(str, v))}" for k, v in (field(job, "shapes") or {}).items()) or None),
@@ -169,6 +172,11 @@ def render_job(job) -> str:
                              [[format_cpulist(field(i, "cpus", [])), field(i, "threads"), field(i, "max_batch"),
                                field(i, "on_training")] for i in field(job, "instances", [])])
     return f"{head}\n\ninstances:\n{instances}"
+
+
+def _precision_text(job) -> str:
+    return describe_precision(field(job, "precision") or "f32", field(job, "effective_precision"),
+                              field(job, "backend") or "")
 
 
 @infer.command("show")

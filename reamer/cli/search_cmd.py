@@ -32,6 +32,38 @@ class BackendOrAuto(BackendChoice):
         self.choices = (*self.choices, "auto")
 
 
+class PrecisionChoice(click.Choice):
+    """f32 | bf16, also as users write them (FP32, float32, BF16, bfloat16); a bad value names both."""
+
+    def __init__(self) -> None:
+        from reamer.serve.spec import PRECISIONS
+
+        super().__init__(PRECISIONS)
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> object:
+        from reamer.serve.spec import PRECISION_FIX, canonical_precision
+
+        precision = canonical_precision(value)
+        if precision is None:
+            self.fail(f"{value!r} is not a precision reamer runs; {PRECISION_FIX}", param, ctx)
+        return precision
+
+
+PRECISION_HELP = ("f32: answers as ONNX Runtime computes them (default). bf16: OpenVINO computes in bfloat16 "
+                  "where the CPU supports it (faster; answers differ slightly); ONNX Runtime stays f32.")
+
+
+def describe_precision(asked: str, effective: str | None, backend: str) -> str:
+    """`effective` as operators read it, with why it differs from `asked` (e.g. "f32 (asked bf16: ...)")."""
+    if effective is None:
+        return f"{asked} (asked; no instance reports yet)"
+    if effective == asked:
+        return effective
+    why = ("onnxruntime computes in f32" if backend == "onnxruntime"
+           else "this CPU has no native bf16, OpenVINO runs f32" if effective == "f32" else "the runtime's choice")
+    return f"{effective} (asked {asked}: {why})"
+
+
 def register(cli: click.Group) -> None:
     cli.add_command(profile)
     cli.add_command(search)
@@ -193,6 +225,8 @@ def headline(data: dict) -> str:
     if best is None:
         return f"no layout meets the {slo:g} ms SLO: {data['note'] or 'every measured shape missed it'}; {searched}."
     slo_text = f" against the {slo:g} ms SLO" if slo is not None else ""
+    if data.get("precision", "f32") != "f32" or data.get("effective_precision", "f32") != "f32":
+        slo_text += f", precision {describe_precision(data['precision'], data['effective_precision'], data['backend'])}"
     text = (f"best layout {best['layout']}: {best['throughput_rps']:.1f} inferences/s, "
             f"p99 {best['p99_ms']:.1f} ms{slo_text}; {searched}")
     base = data["baseline"]
@@ -256,6 +290,7 @@ def write_plot(path: str, data: dict, rows: list[MeasurementRow]) -> None:
               help="p99 latency target (online); without it: maximise throughput (offline).")
 @click.option("--backend", type=BackendOrAuto(), default="auto", show_default=True,
               help="Runtime; auto: every installed one is screened and the best layout names its backend.")
+@click.option("--precision", type=PrecisionChoice(), default="f32", show_default=True, help=PRECISION_HELP)
 @click.option("--exhaustive", is_flag=True, help="Measure every layout (the paper's search; slow).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=32, show_default=True,
               help="Largest batch tried (batches are powers of two up to it).")
@@ -276,8 +311,12 @@ def write_plot(path: str, data: dict, rows: list[MeasurementRow]) -> None:
 @pass_cli
 def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch, top_n, csv_path, plot_path,
            cache_dir, no_cache, cpus_text, warmup_s, window_s, max_windows, verify_windows, shapes=(),
-           input_data=None) -> None:
-    """Find the best layout (instances x cores x batch) for MODEL on N cores, measured on real cores."""
+           input_data=None, precision="f32") -> None:
+    """Find the best layout (instances x cores x batch) for MODEL on N cores, measured on real cores.
+
+    --precision bf16 measures OpenVINO computing in bfloat16 (where the CPU supports it) and caches those
+    points apart from f32 ones: deploy the result with the same --precision."""
+    from reamer.serve.backends import effective_precision
     from reamer.serve.layout_search import MeasureSettings, ProfileCacheUnwritable, batch_choices, search_layout
 
     if plot_path is not None and not plot_path.lower().endswith(".png"):
@@ -294,7 +333,8 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
         try:
             outcome = search_layout(model_path, backend, cpus, slo_ms, cache_dir=cache_dir, exhaustive=exhaustive,
                                     batches=batch_choices(max_batch), settings=settings, top_k=top_n,
-                                    progress=progress, cache_source="reamer search", samples=samples)
+                                    progress=progress, cache_source="reamer search", samples=samples,
+                                    precision=precision)
         except ProfileCacheUnwritable as error:
             raise BadInput(error.message, "pass a writable --cache-dir, or --no-cache") from None
         finally:
@@ -304,6 +344,8 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
         "model": model if not os.path.isfile(model) else os.path.abspath(model),
         "backend": outcome.backend,
         "backends_searched": outcome.backends,
+        "precision": precision,
+        "effective_precision": effective_precision(outcome.backend, precision),
         "screening": [{"backend": s.backend, "dropped": s.dropped, "why": s.why,
                        "throughput_rps": {f"{c}x{b}": rps for (c, b), rps in s.throughput.items()}}
                       for s in outcome.screens if s.throughput],

@@ -20,16 +20,13 @@ from typing import Any
 import numpy as np
 
 from reamer.host.errors import ReamerError
+from reamer.serve.spec import DEFAULT_PRECISION, PRECISION_FIX, PRECISIONS
 from reamer.serve.tensors import TensorInfo, numpy_to_v2, ort_type_to_v2, v2_to_numpy
 
 __all__ = ["BACKENDS", "DEFAULT_PRECISION", "PRECISIONS", "Backend", "BackendError", "TensorInfo",
-           "check_precision", "compute_precision", "open_backend", "sample_inputs"]
+           "check_precision", "compute_precision", "effective_precision", "open_backend", "sample_inputs"]
 
 BACKENDS: tuple[str, ...] = ("onnxruntime", "openvino")
-PRECISIONS: tuple[str, ...] = ("f32", "bf16")
-DEFAULT_PRECISION = "f32"
-PRECISION_FIX = ("use --precision f32 (the default: answers as ONNX Runtime computes them) or --precision bf16 "
-                 "(OpenVINO computes in bfloat16 where the CPU supports it: faster, answers differ slightly)")
 
 
 class BackendError(ReamerError):
@@ -46,6 +43,19 @@ def check_precision(value: object) -> str:
 def compute_precision(kind: str, precision: str) -> str:
     """The precision `kind` is asked to compute in for a job at `precision`: ONNX Runtime has only f32."""
     return check_precision(precision) if kind == "openvino" else DEFAULT_PRECISION
+
+
+def effective_precision(kind: str, precision: str) -> str:
+    """What `kind` computes in on this host when a job asks for `precision`, without loading a model: OpenVINO's
+    CPU plugin resolves the hint as it does for a compiled model (f32 where the CPU has no native bf16)."""
+    if compute_precision(kind, precision) == DEFAULT_PRECISION:
+        return DEFAULT_PRECISION
+    import openvino as ov
+    import openvino.properties.hint as hints
+
+    core = ov.Core()
+    core.set_property("CPU", {hints.inference_precision(): ov.Type.bf16})
+    return _precision_name(core.get_property("CPU", hints.inference_precision()))
 
 
 class Backend(ABC):

@@ -81,7 +81,12 @@ class Job:
 
     def _new_worker(self, index: int, spec: InstanceSpec) -> InstanceWorker:
         return InstanceWorker(index, spec, self.spec.model, self.spec.backend, run_dir=str(self.run_dir),
-                              samples=self.spec.samples())
+                              samples=self.spec.samples(), precision=self.spec.precision)
+
+    def _effective_precision(self) -> str | None:
+        """What the ready instances compute in, as their backends report it ("f32+bf16" if they differ)."""
+        seen = sorted({w.effective_precision for w in self.workers if w.ready and w.effective_precision})
+        return "+".join(seen) or None
 
     def _start_workers(self, items: list[tuple[int, InstanceSpec]]) -> tuple[list[InstanceWorker], list[str]]:
         """Start workers in parallel; a worker that fails to start is returned too (its lane retries it)."""
@@ -109,8 +114,10 @@ class Job:
         except SpecError as exc:
             self._event("reload_failed", f"spec not reloaded: {exc}")
             return None
-        if new.kind != self.spec.kind or new.model != self.spec.model or new.backend != self.spec.backend:
-            self._event("reload_failed", "spec not reloaded: kind, model and backend cannot change on SIGHUP; "
+        if (new.kind != self.spec.kind or new.model != self.spec.model or new.backend != self.spec.backend
+                or new.precision != self.spec.precision):
+            self._event("reload_failed", "spec not reloaded: kind, model, backend and precision cannot change on "
+                                         "SIGHUP; "
                                          "remove and redeploy the job")
             return None
         if new.frontdoor_cpus != self.spec.frontdoor_cpus and new.frontdoor_cpus:
@@ -201,6 +208,7 @@ class Job:
             st.requests, st.shed, st.rate_rps = snap.requests, snap.shed, snap.rate_rps
             st.p50_ms, st.p99_ms, st.slo_attainment = snap.p50_ms, snap.p99_ms, snap.slo_attainment
             st.state = "ready" if ready == len(self.workers) else "starting"
+            st.precision = self._effective_precision()
             down = [w.last_error for w in self.workers if not w.ready and w.last_error]
             st.message = f"{ready} of {len(self.workers)} instances ready" + (f"; {down[0]}" if down else "")
             rate = stats.arrival_rate(span_s=OVERLOAD_SUSTAIN_S)
@@ -302,6 +310,7 @@ class Job:
         st.done, st.total, st.throughput, st.eta_s = p.done, p.total, p.throughput, p.eta_s
         st.instances_ready = sum(1 for w in runner.workers if w.ready)
         st.instances_total = len(self.workers)
+        st.precision = self._effective_precision()
         st.message = f"{p.done} of {p.total} inputs done" + (f", {p.failed} failed" if p.failed else "")
         self._write_status()
 

@@ -31,6 +31,24 @@ def canonical_backend(name: str) -> str | None:
     return BACKEND_ALIASES.get(name.strip().lower().replace("-", "").replace("_", "").replace(" ", ""))
 
 
+# The precision instances compute in. "f32": as the model file says (answers as ONNX Runtime computes them).
+# "bf16": OpenVINO computes in bfloat16 where the CPU supports it (its own default on such CPUs); ONNX
+# Runtime has no bf16 path and stays f32. Other names users type for them are accepted too.
+PRECISIONS = ("f32", "bf16")
+DEFAULT_PRECISION = "f32"
+PRECISION_ALIASES = {"f32": "f32", "fp32": "f32", "float32": "f32", "float": "f32",
+                     "bf16": "bf16", "bfloat16": "bf16"}
+PRECISION_FIX = ("use f32 (the default: answers as ONNX Runtime computes them) or bf16 (OpenVINO computes in "
+                 "bfloat16 where the CPU supports it: faster where the CPU has bf16 units, answers differ slightly from f32's)")
+
+
+def canonical_precision(name: object) -> str | None:
+    """The precision `name` means (f32, FP32, float32, bf16, BF16, bfloat16, ...), or None."""
+    if not isinstance(name, str):
+        return None
+    return PRECISION_ALIASES.get(name.strip().lower().replace("-", "").replace("_", ""))
+
+
 STATUS_FILE = "status.json"
 EVENTS_FILE = "events.jsonl"
 # Temp files of write_atomic look like ".<name>.tmp-<pid>-<hex>": hidden, and never a final name.
@@ -112,6 +130,7 @@ class JobSpec:
     # perf_analyzer JSON file) that the instances warm up on; see reamer.serve.samples.
     shapes: dict[str, list[int]] = field(default_factory=dict)
     input_data: str | None = None
+    precision: str = DEFAULT_PRECISION  # see PRECISIONS
 
     def samples(self) -> dict[str, Any]:
         """The warm-up's samples.SampleSpec as a document (what an InstanceWorker takes)."""
@@ -122,6 +141,8 @@ class JobSpec:
             raise SpecError(f"job {self.name!r} has kind {self.kind!r}", 'use kind "online" or "offline"')
         if self.backend not in BACKENDS:
             raise SpecError(f"job {self.name!r} asks for backend {self.backend!r}", f"use one of {', '.join(BACKENDS)}")
+        if self.precision not in PRECISIONS:
+            raise SpecError(f"job {self.name!r} asks for precision {self.precision!r}", PRECISION_FIX)
         if not self.instances:
             raise SpecError(f"job {self.name!r} has no instances", "give the job at least one instance")
         if self.kind == "offline" and (not self.input_dir or not self.output_dir):
@@ -205,6 +226,7 @@ class JobStatus:
     port: int | None = None
     instances_total: int = 0
     grpc_port: int | None = None  # where the gRPC front door of an online job listens
+    precision: str | None = None  # what the ready instances compute in (OpenVINO's read-back; None: none ready)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
