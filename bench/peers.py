@@ -6,7 +6,10 @@ user picks instead, one run, same cpus, same model, same sample inputs:
 - ONNX Runtime's default session: InferenceSession(model) with no options (all cores, spinning on), a loop of
   run() at batch 1 and at the batch of reamer's pick (the better counts);
 - the best layout of each single backend (what `reamer search --backend X` finds): from the same auto search,
-  its best verified layout per backend (a backend dropped at screening: its best screening shape, filled).
+  its best verified layout per backend (a backend dropped at screening: its best screening shape, filled);
+- at bf16 numerics (where the CPU computes bf16 natively): reamer's pick of `search_layout(..., precision="bf16")`
+  (`reamer search --precision bf16`: OpenVINO instances in bfloat16, ONNX Runtime's in f32) against OpenVINO's
+  THROUGHPUT hint at its default precision, which is bf16 on such CPUs (`--no-bf16` skips this pair).
 
 Every contender runs pinned to the same cpus, in rotated order, `--rounds` times; each figure is the median,
 and ratios are reamer / best peer within the run. Layouts run through reamer's profiler (pinned worker processes
@@ -147,6 +150,18 @@ def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespa
     started = time.monotonic()
     outcome = search_layout(model, "auto", cpus, None, batches=args.batches, settings=settings)
     row["search_s"] = round(time.monotonic() - started, 1)
+    pick_bf16 = None
+    if args.bf16:
+        from reamer.serve.backends import effective_precision
+
+        row["bf16_effective"] = effective_precision("openvino", "bf16")
+        if row["bf16_effective"] == "bf16":  # else OpenVINO runs f32: the pair would repeat the f32 comparison
+            started = time.monotonic()
+            bf16 = search_layout(model, "auto", cpus, None, batches=args.batches, settings=settings,
+                                 precision="bf16")
+            row["search_bf16_s"] = round(time.monotonic() - started, 1)
+            pick_bf16 = bf16.best.layout if bf16.best is not None else None
+            row["pick_bf16"] = format_layout(pick_bf16) if pick_bf16 is not None else None
     row["search_runs"] = len(outcome.rows)
     row["screening"] = {s.backend: {"dropped": s.dropped, "why": s.why} for s in outcome.screens}
     if outcome.best is None:
@@ -157,10 +172,12 @@ def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespa
     singles = best_per_backend(outcome)
     row["single"] = {b: format_layout(layout) for b, layout in singles.items()}
     pick_batch = max(s.batch for s in pick.instances)
-    contenders: dict[str, Any] = {"reamer": ("layout", pick)}
+    contenders: dict[str, Any] = {"reamer": ("layout", pick, "f32")}
     for backend, layout in singles.items():
         if layout != pick:
-            contenders[f"best {backend} layout"] = ("layout", layout)
+            contenders[f"best {backend} layout"] = ("layout", layout, "f32")
+    if pick_bf16 is not None:
+        contenders["reamer bf16"] = ("layout", pick_bf16, "bf16")
     contenders["OpenVINO THROUGHPUT hint"] = ("peer", "ov-throughput-f32", 1)
     contenders["OpenVINO THROUGHPUT hint, default precision"] = ("peer", "ov-throughput", 1)
     contenders["ORT default session b1"] = ("peer", "ort-default", 1)
@@ -174,7 +191,7 @@ def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespa
             spec = contenders[key]
             if spec[0] == "layout":
                 rps, _ = measure_layout(model, spec[1].backend, spec[1], cpus, warmup_s=args.warmup,
-                                        window_s=args.window, windows=args.verify_windows)
+                                        window_s=args.window, windows=args.verify_windows, precision=spec[2])
                 runs[key].append(rps)
             else:
                 got = run_peer(spec[1], model, cpus, spec[2], args.warmup, args.window * args.verify_windows)
@@ -189,7 +206,8 @@ def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespa
     row["peer_info"] = info
     # same numerics only: OpenVINO's default precision is bf16 on CPUs with AVX512-BF16/AMX (reamer and ONNX
     # Runtime compute in f32), reported beside, not as the peer
-    peers = {k: v for k, v in medians.items() if k not in ("reamer", "OpenVINO THROUGHPUT hint, default precision")}
+    peers = {k: v for k, v in medians.items()
+             if k not in ("reamer", "reamer bf16", "OpenVINO THROUGHPUT hint, default precision")}
     best_peer = max(peers, key=peers.get) if peers else None
     row["best_peer"] = best_peer
     row["ratio"] = medians["reamer"] / peers[best_peer] if best_peer and "reamer" in medians else None
@@ -199,6 +217,8 @@ def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespa
     row["ratio_vs_ort_default"] = medians["reamer"] / ort if ort else None
     default = medians.get("OpenVINO THROUGHPUT hint, default precision")
     row["ratio_vs_ov_default_precision"] = medians["reamer"] / default if default else None
+    # the same numerics at bf16: reamer's bf16 pick against OpenVINO's hint at its own (bf16) default
+    row["ratio_bf16"] = medians["reamer bf16"] / default if default and "reamer bf16" in medians else None
     row["spread"] = {k: (max(v) - min(v)) / statistics.median(v) if len(v) > 1 else 0.0 for k, v in runs.items() if v}
     row["load_after"] = loadavg()
     return row
@@ -215,16 +235,18 @@ def render(data: dict) -> str:
         "reamer = the pick of `search_layout(model, \"auto\", cpus)` (both backends screened, OpenVINO streams tried); "
         "best X layout = the best verified layout on backend X alone in the same search; OpenVINO THROUGHPUT = one "
         "process, OpenVINO's streams/threads, OPTIMAL_NUMBER_OF_INFER_REQUESTS async requests of batch 1; ORT default = "
-        "InferenceSession with no options (all cores, spinning), batch 1 and reamer's batch.",
+        "InferenceSession with no options (all cores, spinning), batch 1 and reamer's batch; reamer at bf16 = the "
+        "pick of `search_layout(model, \"auto\", cpus, precision=\"bf16\")` (OpenVINO instances in bfloat16), "
+        "compared with OpenVINO's THROUGHPUT hint at its default precision (bf16 on this CPU): the same numerics.",
         "",
         "| model | reamer pick | reamer /s | OpenVINO THROUGHPUT f32 /s (streams) | ORT default /s | best single-backend "
-        "layouts /s | reamer / best peer | OpenVINO THROUGHPUT at its default precision /s (reamer / it) | search s | "
-        "load |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "layouts /s | reamer / best peer | OpenVINO THROUGHPUT at its default precision /s (reamer f32 / it) | "
+        "reamer at bf16: pick /s | reamer bf16 / OpenVINO default precision | search s (f32; bf16) | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['error']} | | | | | | | | | | |")
             continue
         m = r["median_rps"]
         ov = m.get("OpenVINO THROUGHPUT hint")
@@ -238,11 +260,22 @@ def render(data: dict) -> str:
         ort = "; ".join(f"{k.split()[-1]} {v:.2f}" for k, v in m.items() if k.startswith("ORT default"))
         singles = "; ".join(f"{r['single'][k.split()[1]]} {v:.2f}" for k, v in m.items() if k.startswith("best "))
         ratio = f"{r['ratio']:.2f}× ({r['best_peer']})" if r.get("ratio") else "-"
+        bf16 = m.get("reamer bf16")
+        bf16_text = f"{r['pick_bf16']} {bf16:.2f}" if bf16 else \
+            (f"(OpenVINO runs {r['bf16_effective']} here)" if r.get("bf16_effective", "bf16") != "bf16" else "-")
+        bf16_ratio = f"{r['ratio_bf16']:.2f}×" if r.get("ratio_bf16") else "-"
+        searched = f"{r['search_s']}" + (f"; {r['search_bf16_s']}" if r.get("search_bf16_s") is not None else "")
         lines.append(f"| {r['model']} | {r['pick']} | {m['reamer']:.2f} | {ov_text} | {ort} | {singles or '(pick)'} | "
-                     f"{ratio} | {d_text} | {r['search_s']} | {r['load_before'][0]}→{r['load_after'][0]} |")
+                     f"{ratio} | {d_text} | {bf16_text} | {bf16_ratio} | {searched} | "
+                     f"{r['load_before'][0]}→{r['load_after'][0]} |")
     met = [r for r in data["rows"] if r.get("ratio") is not None]
     lines += ["", f"Target reamer / best peer ≥ 1.0: met in {sum(r['ratio'] >= 1.0 for r in met)} of {len(met)} "
                   f"models; within the run's spread (≥ 0.95) in {sum(r['ratio'] >= 0.95 for r in met)}."]
+    at_bf16 = [r for r in data["rows"] if r.get("ratio_bf16") is not None]
+    if at_bf16:
+        lines += [f"At bf16 numerics, reamer bf16 / OpenVINO THROUGHPUT at its default precision ≥ 1.0: met in "
+                  f"{sum(r['ratio_bf16'] >= 1.0 for r in at_bf16)} of {len(at_bf16)} models; within the run's spread "
+                  f"(≥ 0.95) in {sum(r['ratio_bf16'] >= 0.95 for r in at_bf16)}."]
     return "\n".join(lines)
 
 
@@ -260,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify-windows", type=int, default=4)
     p.add_argument("--model-dir", default="/tmp/reamer-bench-models")
     p.add_argument("--quick", action="store_true", help="tiny model, one round: a smoke run")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false",
+                   help="skip reamer at bf16 (its own search) and its comparison")
     p.add_argument("--out", default=str(BENCH / "results" / "peers"))
     p.add_argument("--results-md", default=None)
     p.add_argument("--render", default=None, metavar="JSON", help="write the section from a peers.json of a run")
@@ -300,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             row = compare_model(name, path, cpus, args)
         except Exception as exc:  # noqa: BLE001 - one model failing must not lose the others' figures
             row = {"model": name, "error": f"{type(exc).__name__}: {exc}"[:200]}
-        print(json.dumps({k: row.get(k) for k in ("model", "pick", "median_rps", "ratio", "best_peer", "error")}),
+        print(json.dumps({k: row.get(k) for k in ("model", "pick", "median_rps", "ratio", "best_peer", "pick_bf16",
+                                                  "ratio_bf16", "error")}),
               flush=True)
         data["rows"].append(row)
         (out / "peers.json").write_text(json.dumps(data, indent=1, default=str))

@@ -142,7 +142,8 @@ def deploy(cli: CliContext, name, model, online, offline, slo_ms, rate, port, in
         job = wait_for_job(client, name, request["kind"], show_progress=not cli.json)
     emit(cli, job, lambda j: f"deployed {field(j, 'name')} ({field(j, 'kind')}): {field(j, 'state')}"
                              + (f", layout {field(j, 'layout')}" if field(j, "layout") else "")
-                             + (f", precision {_precision_text(j)}" if _precision_text(j) != "f32" else "")
+                             + (f", precision {_precision_text(j)}" if field(j, "precision") not in (None, "f32")
+                                else "")
                              + (f", {field(j, 'url')}" if field(j, "url") else
                                 (f", port {field(j, 'port')}" if field(j, "port") else ""))
                              + (f", gRPC {field(j, 'grpc_target') or field(j, 'grpc_port')}" if field(j, "grpc_port") else "")
