@@ -116,9 +116,8 @@ class Job:
             return None
         if (new.kind != self.spec.kind or new.model != self.spec.model or new.backend != self.spec.backend
                 or new.precision != self.spec.precision):
-            self._event("reload_failed", "spec not reloaded: kind, model, backend and precision cannot change on "
-                                         "SIGHUP; "
-                                         "remove and redeploy the job")
+            self._event("reload_failed", "spec not reloaded: kind, model, backend and precision cannot change "
+                                         "on SIGHUP; remove and redeploy the job")
             return None
         if new.frontdoor_cpus != self.spec.frontdoor_cpus and new.frontdoor_cpus:
             try:

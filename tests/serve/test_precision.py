@@ -150,3 +150,23 @@ def test_a_bf16_point_is_never_served_to_an_f32_search(models_dir, tmp_path):
     assert again.from_cache
     assert {(p.cores, p.batch, p.throughput_rps) for p in again.points} == \
         {(p.cores, p.batch, p.throughput_rps) for p in bf16.points}
+
+
+def test_job_reports_what_runs_and_keeps_its_precision_on_reload(models_dir, tmp_path):
+    import signal
+    from dataclasses import replace
+
+    from reamer.serve.spec import read_events
+    from tests.conftest import wait_for
+    from tests.serve.jobs import RunningJob
+
+    job = RunningJob(str(models_dir / "resnet.onnx"), tmp_path, "rn", backend="openvino", precision="bf16")
+    try:
+        assert job.status.precision == ("bf16" if HAS_BF16 else "f32")
+        replace(job.spec, precision="f32").save(tmp_path / "spec.json")
+        job.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: any(e["kind"] == "reload_failed" and "precision" in e["message"]
+                             for e in read_events(job.run_dir)[0]), what="the reload to be refused")
+        assert job.read_status().precision == job.status.precision
+    finally:
+        job.stop()
