@@ -161,26 +161,40 @@ def _request(inputs: dict[str, np.ndarray], binary: bool):
     return tensors
 
 
-def load(port: int, inputs: dict[str, np.ndarray], outputs: list[str], binary: bool, concurrency: int,
-         seconds: float, requests: int) -> dict[str, float]:
-    """Closed loop: `concurrency` threads, one tritonclient each; throughput over `seconds`, or (concurrency 1)
-    the latencies of `requests` requests."""
+def _client(port: int, inputs: dict[str, np.ndarray], outputs: list[str], binary: bool):
     import tritonclient.http as triton
 
-    def client():
-        c = triton.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=300, network_timeout=300)
-        wanted = [triton.InferRequestedOutput(o, binary_data=binary) for o in outputs]
-        return c, _request(inputs, binary), wanted
+    c = triton.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=300, network_timeout=300)
+    wanted = [triton.InferRequestedOutput(o, binary_data=binary) for o in outputs]
+    return c, _request(inputs, binary), wanted
 
-    if concurrency == 1:
-        c, tensors, wanted = client()
+
+def latencies(cases: dict[str, tuple[int, bool]], inputs: dict[str, np.ndarray], outputs: list[str],
+              requests: int) -> dict[str, float]:
+    """Concurrency 1: p50 latency of `requests` requests per case (name -> (port, binary)), the cases taking
+    turns request by request, so that the other tenants of a shared machine weigh on all of them alike."""
+    clients = {key: _client(port, inputs, outputs, binary) for key, (port, binary) in cases.items()}
+    lat: dict[str, list[float]] = {key: [] for key in cases}
+    for c, tensors, wanted in clients.values():
         c.infer("model", tensors, outputs=wanted)  # warm
-        lat = []
-        for _ in range(requests):
+    for i in range(requests):
+        keys = list(clients)
+        for key in keys[i % len(keys):] + keys[:i % len(keys)]:
+            c, tensors, wanted = clients[key]
             t0 = time.perf_counter()
             c.infer("model", tensors, outputs=wanted)
-            lat.append((time.perf_counter() - t0) * 1e3)
-        return {"p50_ms": statistics.median(lat), "n": len(lat)}
+            lat[key].append((time.perf_counter() - t0) * 1e3)
+    for c, _, _ in clients.values():
+        c.close()
+    return {key: statistics.median(v) for key, v in lat.items()}
+
+
+def load(port: int, inputs: dict[str, np.ndarray], outputs: list[str], binary: bool, concurrency: int,
+         seconds: float) -> dict[str, float]:
+    """Closed loop: `concurrency` threads, one tritonclient each; throughput over `seconds`."""
+    def client():
+        return _client(port, inputs, outputs, binary)
+
     done, stop_at, errors = [0] * concurrency, [0.0], []
 
     def worker(i: int) -> None:
@@ -261,16 +275,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 servers["mlserver"] = start_mlserver(mlserver, model, cpus, work)
                 servers["reamer"] = start_reamer(model, cpus, work)
                 os.sched_setaffinity(0, [args.client_cpu])
-                cases = [("mlserver", False), ("reamer", False), ("reamer", True)]
+                cases = {f"{server} {'binary' if binary else 'JSON'}": (servers[server][1], binary)
+                         for server, binary in [("mlserver", False), ("reamer", False), ("reamer", True)]}
                 for r in range(args.rounds):
-                    for server, binary in cases[r % 3:] + cases[:r % 3]:
-                        port = servers[server][1]
-                        key = f"{server} {'binary' if binary else 'JSON'}"
-                        c4 = load(port, inputs, outputs, binary, 4, args.seconds, 0)
-                        c1 = load(port, inputs, outputs, binary, 1, 0, args.requests)
-                        row["runs"].setdefault(key, []).append({"rps_c4": c4["rps"], "errors": c4["errors"],
-                                                                "p50_ms_c1": c1["p50_ms"]})
-                        print(f"  {name} {key}: {c4['rps']:.2f}/s at c4, p50 {c1['p50_ms']:.1f} ms at c1", flush=True)
+                    keys = list(cases)
+                    keys = keys[r % 3:] + keys[:r % 3]
+                    c4 = {key: load(cases[key][0], inputs, outputs, cases[key][1], 4, args.seconds) for key in keys}
+                    c1 = latencies({key: cases[key] for key in keys}, inputs, outputs, args.requests)
+                    for key in cases:
+                        row["runs"].setdefault(key, []).append({"rps_c4": c4[key]["rps"], "errors": c4[key]["errors"],
+                                                                "p50_ms_c1": c1[key]})
+                        print(f"  {name} {key}: {c4[key]['rps']:.2f}/s at c4, p50 {c1[key]:.1f} ms at c1", flush=True)
             except Exception as exc:  # noqa: BLE001 - one model failing must not lose the others' figures
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             finally:
