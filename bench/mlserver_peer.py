@@ -7,7 +7,8 @@ no current event loop in thread 'MainThread'") with a ten-line runtime (an onnxr
 out); reamer's job with one instance on the last cpu and its front door on all of them. The client is
 tritonclient.http on the first cpu: throughput at concurrency 4 (4 threads, one client each, closed loop) and
 p50 latency at concurrency 1, JSON tensors both ways (what MLServer decodes) and, for reamer, binary tensors
-too. Servers take turns round by round; figures are medians over rounds; ratios are reamer / MLServer.
+too. At concurrency 4 the servers take turns round by round; at concurrency 1 request by request (so that other
+tenants of a shared machine weigh on all alike); figures are medians over rounds; ratios are reamer / MLServer.
 
 MLServer goes into a virtualenv of its own (`--venv`, made on first use with `pip install mlserver==1.7.1
 onnxruntime==<ours>`): it pins FastAPI/Starlette below the versions reamer runs on, so it cannot share the
@@ -38,6 +39,7 @@ for _p in (str(ROOT), str(BENCH)):
         sys.path.insert(0, _p)
 
 SECTION = "### A serving peer: MLServer (issue 14)"
+FLOATING = "reamer, instance on all cpus,"
 PARENT = "## Against each runtime's own tuning (issue 14)"
 RUNTIME = '''
 import onnxruntime as ort
@@ -115,12 +117,14 @@ def start_mlserver(mlserver: Path, model: str, cpus: list[int], work: Path) -> t
     return proc, port
 
 
-def start_reamer(model: str, cpus: list[int], work: Path) -> tuple[subprocess.Popen, int]:
+def start_reamer(model: str, cpus: list[int], work: Path,
+                 instance_cpus: list[int] | None = None) -> tuple[subprocess.Popen, int]:
     from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
 
     run_dir = work / "reamer-run"
     spec = JobSpec(name="model", kind="online", model=model, backend="onnxruntime", run_dir=str(run_dir), port=0,
-                   instances=[InstanceSpec([cpus[-1]], 1, 4)], frontdoor_cpus=list(cpus), host="127.0.0.1")
+                   instances=[InstanceSpec(instance_cpus or [cpus[-1]], 1, 4)], frontdoor_cpus=list(cpus),
+                   host="127.0.0.1")
     spec.save(work / "spec.json")
     proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(work / "spec.json")], cwd=ROOT,
                             stdout=open(work / "reamer.log", "wb"), stderr=subprocess.STDOUT)
@@ -221,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="resnet50,exported:bert")
     p.add_argument("--cpus", default="0,1")
     p.add_argument("--client-cpu", type=int, default=0)
+    p.add_argument("--floating", action="store_true",
+                   help="also a reamer job whose instance may run on all of --cpus, as MLServer's model does (JSON)")
+    p.add_argument("--instance-cpus", default=None,
+                   help="reamer's instance cpus (default: the last of --cpus; all of them to float like MLServer's)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--requests", type=int, default=20)
@@ -250,9 +258,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from search_calibration import loadavg, machine_info, model_file
 
     cpus = [int(c) for c in args.cpus.split(",")]
+    instance_cpus = [int(c) for c in args.instance_cpus.split(",")] if args.instance_cpus else [cpus[-1]]
     mlserver = ensure_venv(Path(args.venv))
     data: dict[str, Any] = {"command": "python bench/mlserver_peer.py " + " ".join(sys.argv[1:]),
                             "machine": machine_info(), "cpus": cpus, "client_cpu": args.client_cpu,
+                            "instance_cpus": instance_cpus,
                             "rounds": args.rounds, "seconds": args.seconds, "rows": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -273,13 +283,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             servers = {}
             try:
                 servers["mlserver"] = start_mlserver(mlserver, model, cpus, work)
-                servers["reamer"] = start_reamer(model, cpus, work)
+                servers["reamer"] = start_reamer(model, cpus, work, instance_cpus)
+                plan = [("mlserver", False), ("reamer", False), ("reamer", True)]
+                if args.floating:
+                    (work / "floating").mkdir()
+                    servers[FLOATING] = start_reamer(model, cpus, work / "floating", cpus)
+                    plan.append((FLOATING, False))
                 os.sched_setaffinity(0, [args.client_cpu])
                 cases = {f"{server} {'binary' if binary else 'JSON'}": (servers[server][1], binary)
-                         for server, binary in [("mlserver", False), ("reamer", False), ("reamer", True)]}
+                         for server, binary in plan}
                 for r in range(args.rounds):
                     keys = list(cases)
-                    keys = keys[r % 3:] + keys[:r % 3]
+                    keys = keys[r % len(keys):] + keys[:r % len(keys)]
                     c4 = {key: load(cases[key][0], inputs, outputs, cases[key][1], 4, args.seconds) for key in keys}
                     c1 = latencies({key: cases[key] for key in keys}, inputs, outputs, args.requests)
                     for key in cases:
@@ -303,9 +318,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(data: dict) -> str:
     lines = [f"Command: `{data['command']}` · machine: {data['machine']['cpu_model']}, {data['machine']['cpus']} cpus; "
-             f"servers on cpus {data['cpus']}, tritonclient.http on cpu {data['client_cpu']} · {data['rounds']} rounds "
-             f"(servers alternate), {data['seconds']} s at concurrency 4, medians · load average per row (the machine "
-             "was shared with other work).", "",
+             f"servers on cpus {data['cpus']} (reamer's instance on {data.get('instance_cpus', data['cpus'][-1:])}, its front "
+             f"door on all), tritonclient.http on cpu {data['client_cpu']} · {data['rounds']} rounds, {data['seconds']} s "
+             "per server at concurrency 4 (the order turning each round), then concurrency 1 with the servers taking "
+             "turns request by request; medians over rounds · load average per row (the machine was shared with other "
+             "work).", "",
              "| model | server, tensors | requests/s at concurrency 4 | p50 ms at concurrency 1 | reamer / MLServer (JSON) "
              "throughput | p50 reamer / MLServer | load |",
              "|---|---|---|---|---|---|---|"]
