@@ -23,7 +23,9 @@ body over the size limit with 413.
 Hostile clients are bounded (DoorLimits, set from the agent config's `inference:` section through the job
 spec): header, body, idle and send timeouts, a connection cap, URL and header size limits, pipelining
 bounded by count and bytes, a cap on request bytes held by all connections, and back-pressure on a client
-that does not read its answers. JSON is parsed and written with orjson, off the event loop above a size.
+that does not read its answers. JSON is parsed and written with orjson, off the event loop above a size; the
+flat float `data` list of a large body goes into numpy without numpy's type discovery once the body is shown
+to hold no strings in its data lists (`_plain_data`), with the same arrays and messages as the general path.
 A malformed request is a 4xx whose message names the field, logged in one line (rate-limited).
 """
 from __future__ import annotations
