@@ -1,0 +1,725 @@
+"""Online side by side (issue 14): the highest open-loop request rate each contender sustains with p99 latency
+under the SLO (200 ms and 1 s), one run, same cpus, same model, same requests, same arrivals.
+
+Contenders, each given every cpu of the run (`--cpus`):
+
+- reamer: the layout that reamer's search picks for that SLO (`search_layout(model, "auto", cpus, slo_ms)` with
+  the agent's deploy settings: 0.5 s warm-up, 0.25 s windows, `--search-budget` seconds, batches up to
+  `--max-batch`; the two SLOs share one profile cache, as a node's deploys do), served as a real online job
+  (`python -m reamer.serve.job`: front door on all the cpus, pinned instance workers, dynamic batcher with the
+  SLO) and driven through its REST front door with binary tensors both ways (reamer.serve.loadgen, httpx);
+- OpenVINO THROUGHPUT hint at f32 (reamer's numerics): one process, OpenVINO's own streams, an AsyncInferQueue of
+  OPTIMAL_NUMBER_OF_INFER_REQUESTS requests of batch 1, static shapes; requests arrive in-process and wait in
+  arrival order for a free infer request;
+- ONNX Runtime's default session (no options: all cores, spinning): requests served one at a time in arrival
+  order, in-process.
+
+The peers run in-process, with no HTTP, no request decoding and no client on the machine: that favours them.
+Every contender sees the same Poisson arrivals (reamer.serve.loadgen.poisson_schedule, seed `--seed`, the same
+pattern stretched to each rate) and the same sample request. A rate passes when every request is answered
+(no shed, no error), p99 <= SLO, and the server keeps up with the offered rate (the median latency of the last
+quarter of the arrivals at most SLO/4 above that of the first half: a growing queue shows there). The rate search: geometric
+steps from 0.7x the contender's closed-loop throughput until a pass and a fail bracket the answer, then
+geometric bisection until the bracket is within `--precision` or the steps run out; the 200 ms search of a
+peer starts from the bracket its 1 s search left (same server, same steps), reamer's runs on its own job.
+
+    # the full run (~25 min on the 2-cpu machine when quiet), figures into bench/RESULTS.md:
+    flock /work/coord/bench.lock .venv/bin/python bench/online_peers.py --results-md bench/RESULTS.md
+    # one model while developing:
+    .venv/bin/python bench/online_peers.py --models mobilenet_v2 --quick --out /tmp/online
+    .venv/bin/python bench/online_peers.py --quick --models tiny --out /tmp/online      # smoke run, ~1 min
+    .venv/bin/python bench/online_peers.py --render bench/results/online_peers/online_peers.json \\
+        --results-md bench/RESULTS.md                                                    # re-render a run
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+for _p in (str(ROOT), str(BENCH)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+PARENT = "## Against each runtime's own tuning (issue 14)"
+SECTION = "### Online: highest open-loop rate under the SLO (issue 14)"
+AFTER = "### Offline: reamer's pick against OpenVINO THROUGHPUT, ONNX Runtime's default session, one backend alone"
+DEFAULT_MODELS = "resnet50,mobilenet_v2,bert-base,deepspeech2,exported:bert,exported:resnet"
+SLOS_MS = (1000.0, 200.0)  # the 1 s search first: a peer's 200 ms search starts from its bracket
+CONTENDERS = ("reamer", "OpenVINO THROUGHPUT f32", "ORT default")
+PEER_KINDS = {"OpenVINO THROUGHPUT f32": "ov-throughput-f32", "ORT default": "ort-default"}
+
+
+# --- one step: the pass rule ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Step:
+    """One open-loop run at `rate_rps` for `duration_s`: what came back."""
+
+    rate_rps: float
+    duration_s: float
+    sent: int
+    ok: int
+    shed: int
+    errors: int
+    p50_ms: float
+    p99_ms: float
+    completed: int  # answers inside the arrival window shifted by the median latency (reported, not judged)
+    early_p50_ms: float = math.nan  # median latency of the first half of the arrivals
+    late_p50_ms: float = math.nan  # median latency of the last quarter: a server falling behind shows here
+    wall_s: float = 0.0
+    client_cpu_ms: float | None = None  # per request, the driving process's cpu time (reamer: the HTTP client)
+    detail: str = ""
+
+    def kept_up(self, slo_ms: float) -> bool:
+        """The queue did not grow over the step: late arrivals waited at most a quarter SLO longer than early ones
+        (a fixed completion-count window would punish latency spread, which p99 already judges)."""
+        return not self.late_p50_ms > self.early_p50_ms + 0.25 * slo_ms
+
+    def meets(self, slo_ms: float) -> bool:
+        return self.sent > 0 and self.ok == self.sent and self.p99_ms <= slo_ms and self.kept_up(slo_ms)
+
+    def why_not(self, slo_ms: float) -> str:
+        if self.sent == 0:
+            return "no request sent"
+        if self.ok < self.sent:
+            return f"{self.shed} shed, {self.errors} failed of {self.sent}" + (f" ({self.detail})" if self.detail else "")
+        if self.p99_ms > slo_ms:
+            return f"p99 {self.p99_ms:.0f} ms > {slo_ms:g} ms"
+        if not self.kept_up(slo_ms):
+            return f"fell behind: median latency {self.early_p50_ms:.0f} ms early, {self.late_p50_ms:.0f} ms late"
+        return ""
+
+
+def step_from(rate_rps: float, duration_s: float, scheduled_s: Sequence[float], latency_ms: Sequence[float],
+              status: Sequence[str], wall_s: float = 0.0, client_cpu_ms: float | None = None,
+              detail: str = "") -> Step:
+    """A Step from per-request records (arrival offset s, latency ms from the arrival, "ok"/"shed"/"error")."""
+    ok_lat = [lat for lat, st in zip(latency_ms, status) if st == "ok"]
+    p50 = float(np.percentile(ok_lat, 50)) if ok_lat else math.nan
+    p99 = float(np.percentile(ok_lat, 99)) if ok_lat else math.nan
+    shift = p50 / 1e3 if ok_lat else 0.0
+    completed = sum(st == "ok" and shift <= t + lat / 1e3 <= duration_s + shift
+                    for t, lat, st in zip(scheduled_s, latency_ms, status))
+    n = len(status)
+    early = [lat for lat, st in zip(latency_ms[:n // 2], status[:n // 2]) if st == "ok"]
+    late = [lat for lat, st in zip(latency_ms[n - n // 4:], status[n - n // 4:]) if st == "ok"]
+    return Step(rate_rps, duration_s, n, len(ok_lat), sum(st == "shed" for st in status),
+                sum(st == "error" for st in status), p50, p99, completed,
+                float(np.median(early)) if early else math.nan, float(np.median(late)) if late else math.nan,
+                wall_s, client_cpu_ms, detail)
+
+
+# --- the rate search (pure: unit-tested against a simulated server) -----------------------------------------
+
+Probe = Callable[[float], Step]
+
+
+@dataclass
+class RateSearch:
+    slo_ms: float
+    best: Step | None  # the highest passing step (None: no rate tried passed)
+    steps: list[Step] = field(default_factory=list)  # run by this search, in order
+    below_rps: float | None = None  # the lowest rate that failed (an upper bound on the answer)
+
+    max_rps: float = math.inf
+
+    @property
+    def rate_rps(self) -> float:
+        return self.best.rate_rps if self.best else 0.0
+
+    @property
+    def at_ceiling(self) -> bool:
+        return self.best is not None and self.best.rate_rps >= self.max_rps
+
+
+def bracket(steps: Iterable[Step], slo_ms: float) -> tuple[Step | None, Step | None]:
+    """(highest passing step, lowest failing step above it) among `steps` for this SLO."""
+    steps = list(steps)
+    passing = [s for s in steps if s.meets(slo_ms)]
+    lo = max(passing, key=lambda s: s.rate_rps) if passing else None
+    failing = [s for s in steps if not s.meets(slo_ms) and (lo is None or s.rate_rps > lo.rate_rps)]
+    hi = min(failing, key=lambda s: s.rate_rps) if failing else None
+    return lo, hi
+
+
+def search_rate(probe: Probe, slo_ms: float, start_rps: float, *, known: Sequence[Step] = (), max_steps: int = 5,
+                growth: float = 1.4, precision: float = 0.05, min_rps: float = 0.05,
+                max_rps: float = 1e5) -> RateSearch:
+    """The highest rate that `probe` says meets the SLO, within `precision` (relative) or `max_steps` probes,
+    never above `max_rps` (a pass there reads "at least max_rps").
+
+    `known`: steps already run on the same server (another SLO's search): they bound the first bracket."""
+    out = RateSearch(slo_ms, None, max_rps=max_rps)
+    for _ in range(max_steps):
+        lo, hi = bracket([*known, *out.steps], slo_ms)
+        if lo is not None and hi is not None and hi.rate_rps <= lo.rate_rps * (1 + precision):
+            break
+        if lo is None and hi is None:
+            rate = start_rps
+        elif hi is None:
+            rate = lo.rate_rps * growth
+        elif lo is None:
+            rate = hi.rate_rps / growth
+        else:
+            rate = math.sqrt(lo.rate_rps * hi.rate_rps)
+        rate = min(rate, max_rps)
+        if rate < min_rps or (lo is not None and rate <= lo.rate_rps):
+            break  # below any useful rate, or already passed at the ceiling
+        out.steps.append(probe(rate))
+    lo, hi = bracket([*known, *out.steps], slo_ms)
+    out.best, out.below_rps = lo, hi.rate_rps if hi else None
+    return out
+
+
+# --- the peers, each in a pinned process of its own that serves step after step ----------------------------
+
+def _feeds(model: str) -> dict[str, np.ndarray]:
+    """One request's inputs, the same for every contender (peers.py's sample: reamer's rule, seed 0)."""
+    from reamer.serve.backends import open_backend, sample_inputs
+
+    with open_backend("onnxruntime", model, 1) as probe:
+        return sample_inputs(probe, 1, np.random.default_rng(0))
+
+
+def _schedule(rate: float, duration: float, seed: int) -> list[float]:
+    from reamer.serve.loadgen import poisson_schedule
+
+    return poisson_schedule(rate, duration, np.random.default_rng(seed))
+
+
+def peer_main(doc: dict) -> None:
+    """The peer process: set up, report closed-loop throughput, then answer one step per stdin line."""
+    os.sched_setaffinity(0, doc["cpus"])  # before the runtime starts its threads
+    feeds = _feeds(doc["model"])
+    if doc["kind"] == "ov-throughput-f32":
+        import openvino as ov
+        import openvino.properties.hint as hints
+
+        core = ov.Core()
+        model = core.read_model(doc["model"])
+        model.reshape({p.get_any_name(): ov.PartialShape(list(feeds[p.get_any_name()].shape)) for p in model.inputs})
+        compiled = core.compile_model(model, "CPU", {hints.performance_mode(): hints.PerformanceMode.THROUGHPUT,
+                                                     hints.inference_precision(): ov.Type.f32})
+        nireq = int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
+        queue = ov.AsyncInferQueue(compiled, nireq)
+        arrays = [feeds[p.get_any_name()] for p in model.inputs]
+        done_at: list[float] = []
+        queue.set_callback(lambda request, i: done_at.__setitem__(i, time.perf_counter()))
+        info = {"streams": int(compiled.get_property("NUM_STREAMS")), "requests": nireq,
+                "threads": int(compiled.get_property("INFERENCE_NUM_THREADS")),
+                "precision": str(compiled.get_property("INFERENCE_PRECISION_HINT"))}
+
+        def serve(times: list[float], start: float, give_up: float) -> list[str]:
+            done_at[:] = [math.nan] * len(times)
+            status = ["ok"] * len(times)
+            for i, t in enumerate(times):
+                delay = start + t - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                if time.perf_counter() > give_up:
+                    status[i:] = ["error"] * (len(times) - i)
+                    break
+                queue.start_async(arrays, i)  # blocks while every infer request is busy: the FIFO in front
+            queue.wait_all()
+            return status
+
+        def closed_loop(seconds: float) -> float:
+            n, start = 0, time.perf_counter()
+            done_at[:] = [0.0] * 4096
+            while time.perf_counter() - start < seconds:
+                queue.start_async(arrays, n % 4096)
+                n += 1
+            queue.wait_all()
+            return n / (time.perf_counter() - start)
+    elif doc["kind"] == "ort-default":
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(doc["model"], providers=["CPUExecutionProvider"])  # its defaults
+        names = [o.name for o in session.get_outputs()]
+        info = {"threads": session.get_session_options().intra_op_num_threads or len(doc["cpus"])}
+        done_at = []
+
+        def serve(times: list[float], start: float, give_up: float) -> list[str]:
+            done_at[:] = [math.nan] * len(times)
+            status = ["ok"] * len(times)
+            for i, t in enumerate(times):
+                delay = start + t - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                if time.perf_counter() > give_up:
+                    status[i:] = ["error"] * (len(times) - i)
+                    break
+                session.run(names, feeds)
+                done_at[i] = time.perf_counter()
+            return status
+
+        def closed_loop(seconds: float) -> float:
+            n, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds or n == 0:
+                session.run(names, feeds)
+                n += 1
+            return n / (time.perf_counter() - start)
+    else:
+        raise SystemExit(f"unknown peer {doc['kind']}")
+    closed_loop(doc["warmup_s"])
+    info["closed_loop_rps"] = closed_loop(doc["warmup_s"])
+    print(json.dumps(info), flush=True)
+    for line in sys.stdin:
+        ask = json.loads(line)
+        times = _schedule(ask["rate"], ask["duration"], ask["seed"])
+        cpu0 = time.process_time()
+        start = time.perf_counter() + 0.01
+        status = serve(times, start, start + ask["duration"] + ask["give_up_s"])
+        wall = time.perf_counter() - start
+        latency = [(done_at[i] - start - t) * 1e3 if st == "ok" else math.nan
+                   for i, (t, st) in enumerate(zip(times, status))]
+        print(json.dumps({"scheduled": times, "latency_ms": latency, "status": status, "wall_s": wall,
+                          "cpu_s": time.process_time() - cpu0}), flush=True)
+
+
+class PeerServer:
+    """A peer process kept up for all the steps of one model."""
+
+    def __init__(self, kind: str, model: str, cpus: list[int], warmup_s: float) -> None:
+        doc = {"kind": kind, "model": model, "cpus": cpus, "warmup_s": warmup_s}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--peer", json.dumps(doc)], cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{kind} peer did not start (exit {self.proc.wait()})")
+        self.info = json.loads(line)
+
+    def step(self, rate: float, duration: float, seed: int, give_up_s: float) -> Step:
+        self.proc.stdin.write(json.dumps({"rate": rate, "duration": duration, "seed": seed, "give_up_s": give_up_s})
+                              + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer exited with {self.proc.wait()}")
+        got = json.loads(line)
+        n = max(len(got["status"]), 1)
+        return step_from(rate, duration, got["scheduled"], got["latency_ms"], got["status"], got["wall_s"],
+                         got["cpu_s"] * 1e3 / n, "" if "error" not in got["status"] else "not started in time")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# --- reamer: the search with the SLO, a real online job, its REST front door --------------------------------
+
+def instances_of(layout, cpus: list[int]) -> list:
+    """The layout's instances on consecutive slices of `cpus`."""
+    from reamer.serve.spec import InstanceSpec
+
+    out, at = [], 0
+    for shape in layout.instances:
+        out.append(InstanceSpec(cpus[at:at + shape.cores], shape.threads, shape.batch, streams=shape.streams))
+        at += shape.cores
+    return out
+
+
+def binary_request(inputs: dict[str, np.ndarray], output_names: list[str]) -> tuple[bytes, dict[str, str]]:
+    """A v2 infer request with binary tensors both ways (what tritonclient sends), encoded once."""
+    from reamer.serve.tensors import numpy_to_v2
+    from reamer.serve.v2wire import HEADER_LENGTH
+
+    head = json.dumps({
+        "inputs": [{"name": k, "shape": list(a.shape), "datatype": numpy_to_v2(a.dtype),
+                    "parameters": {"binary_data_size": a.nbytes}} for k, a in inputs.items()],
+        "outputs": [{"name": o, "parameters": {"binary_data": True}} for o in output_names]}).encode()
+    body = head + b"".join(np.ascontiguousarray(a).tobytes() for a in inputs.values())
+    return body, {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
+
+
+async def lean_open_loop(port: int, request: bytes, times: Sequence[float], start: float,
+                         give_up_s: float) -> tuple[list[float], list[str], list[str]]:
+    """Send `request` (a whole HTTP/1.1 request, encoded once) at `start` + each of `times` over keep-alive
+    connections (an idle one when there is one, else a new one); per request the latency from its arrival (ms),
+    "ok"/"shed"/"error" and what went wrong. The least a client costs: no per-request encoding or parsing
+    beyond the status line and Content-Length."""
+    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    latency = [math.nan] * len(times)
+    status = ["error"] * len(times)
+    details: list[str] = []
+
+    async def one(i: int, due: float) -> None:
+        conn = None
+        try:
+            if idle:
+                conn = idle.pop()
+            else:
+                conn = await asyncio.open_connection("127.0.0.1", port)
+                conn[1].get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            reader, writer = conn
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            length = next((int(v) for k, _, v in (line.partition(":") for line in lines[1:])
+                           if k.strip().lower() == "content-length"), 0)
+            body = await reader.readexactly(length)
+            latency[i] = (time.perf_counter() - due) * 1e3
+            code = int(lines[0].split()[1])
+            status[i] = "ok" if code == 200 else "shed" if code == 503 else "error"
+            if code != 200:
+                details.append(f"{code} {body[:80].decode('utf-8', 'replace')}")
+            idle.append(conn)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as exc:
+            details.append(f"{type(exc).__name__}: {exc}"[:80])
+            if conn is not None:
+                conn[1].close()
+
+    tasks = []
+    for i, t in enumerate(times):
+        delay = start + t - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, start + t)))
+    done, pending = await asyncio.wait(tasks, timeout=max(start + times[-1] + give_up_s - time.perf_counter(), 0.1)) \
+        if tasks else (set(), set())
+    for task in pending:
+        task.cancel()
+    if pending:
+        details.append(f"{len(pending)} unanswered after {give_up_s:g} s")
+    for _, writer in idle:
+        writer.close()
+    return latency, status, details
+
+
+class ReamerJob:
+    """A reamer online job (`python -m reamer.serve.job`) serving `layout` with the SLO, and its front door."""
+
+    def __init__(self, model: str, layout, cpus: list[int], slo_ms: float, work: Path,
+                 inputs: dict[str, np.ndarray], client: str = "lean") -> None:
+        import httpx
+
+        from reamer.serve.spec import JobSpec, JobStatus
+
+        work.mkdir(parents=True, exist_ok=True)
+        run_dir = work / "run"
+        spec = JobSpec(name="m", kind="online", model=model, backend=layout.backend or "onnxruntime",
+                       run_dir=str(run_dir), port=0, host="127.0.0.1", instances=instances_of(layout, cpus),
+                       frontdoor_cpus=list(cpus), slo_ms=slo_ms)
+        spec.save(work / "spec.json")
+        self.proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(work / "spec.json")],
+                                     cwd=ROOT, stdout=open(work / "job.out", "w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                st = JobStatus.load(run_dir / "status.json")
+            except (FileNotFoundError, json.JSONDecodeError, OSError):
+                st = None
+            if st is not None and st.state == "ready" and st.port:
+                break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"online job did not become ready: {st.message if st else 'no status'}")
+            time.sleep(0.1)
+        self.port, self.client = st.port, client
+        self.url = f"http://127.0.0.1:{st.port}/v2/models/m/infer"
+        meta = httpx.get(f"http://127.0.0.1:{st.port}/v2/models/m", timeout=60).json()
+        self.body, self.headers = binary_request(inputs, [o["name"] for o in meta["outputs"]])
+        head = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
+        self.request = (f"POST /v2/models/m/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}"
+                        f"Content-Length: {len(self.body)}\r\n\r\n").encode() + self.body
+
+    def step(self, rate: float, duration: float, seed: int, give_up_s: float) -> Step:
+        cpu0 = time.process_time()
+        if self.client == "lean":
+            return self._lean_step(rate, duration, seed, give_up_s, cpu0)
+        from reamer.serve.loadgen import run_load
+
+        got = run_load(self.url, self.body, rate, duration, seed=seed, timeout_s=give_up_s, headers=self.headers)
+        n = max(len(got.records), 1)
+        details = sorted({r.detail[:80] for r in got.records if r.status != "ok"})
+        return step_from(rate, duration, [r.scheduled_s for r in got.records], [r.latency_ms for r in got.records],
+                         [r.status for r in got.records], got.wall_s, (time.process_time() - cpu0) * 1e3 / n,
+                         "; ".join(details[:2]))
+
+    def _lean_step(self, rate: float, duration: float, seed: int, give_up_s: float, cpu0: float) -> Step:
+        times = _schedule(rate, duration, seed)
+        start = time.perf_counter() + 0.01
+        latency, status, details = asyncio.run(lean_open_loop(self.port, self.request, times, start, give_up_s))
+        n = max(len(times), 1)
+        return step_from(rate, duration, times, latency, status, time.perf_counter() - start,
+                         (time.process_time() - cpu0) * 1e3 / n, "; ".join(sorted(set(details))[:2]))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# --- one model ----------------------------------------------------------------------------------------------
+
+def _searches(server, capacity: float, args: argparse.Namespace, slos: Sequence[float],
+              log: Callable[[str], None]) -> dict[str, Any]:
+    """Warm-up, then the rate search for each SLO on one server (later SLOs start from the earlier steps)."""
+    def probe(rate: float) -> Step:
+        step = server.step(rate, args.step, args.seed, max(5.0, 5 * max(slos) / 1e3))
+        log(f"    {rate:9.2f}/s  p99 {step.p99_ms:8.1f} ms  ok {step.ok}/{step.sent}  p50 early/late "
+            f"{step.early_p50_ms:.0f}/{step.late_p50_ms:.0f} ms  client cpu {step.client_cpu_ms or 0:.2f} ms/req")
+        return step
+
+    server.step(min(max(capacity * 0.3, 0.5), args.max_rate * 0.3), args.warmup, args.seed + 1, 10.0)  # discarded
+    out, known = {}, []
+    for i, slo in enumerate(slos):
+        found = search_rate(probe, slo, min(max(capacity * 0.7, 0.1), args.max_rate), known=known,
+                            max_steps=args.steps if i == 0 else args.more_steps, precision=args.precision,
+                            max_rps=args.max_rate)
+        known += found.steps
+        out[f"{slo:g}"] = _search_doc(found)
+    return out
+
+
+def _search_doc(found: RateSearch) -> dict[str, Any]:
+    best = found.best
+    return {"rate_rps": found.rate_rps, "at_ceiling": found.at_ceiling, "p99_ms": best.p99_ms if best else None, "p50_ms": best.p50_ms if best else None,
+            "below_rps": found.below_rps, "steps": [asdict(s) for s in found.steps],
+            "why_not_above": (next((s.why_not(found.slo_ms) for s in found.steps
+                                    if found.below_rps is not None and s.rate_rps == found.below_rps), None))}
+
+
+def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespace, order: list[str],
+                  work: Path) -> dict[str, Any]:
+    from reamer.plan.layout import format_layout
+    from reamer.serve.layout_search import MeasureSettings, batch_choices, search_layout
+
+    from search_calibration import loadavg
+
+    def log(text: str) -> None:
+        print(text, flush=True)
+
+    row: dict[str, Any] = {"model": name, "file": os.path.basename(model), "cpus": cpus, "load_before": loadavg(),
+                           "order": order, "results": {c: {} for c in CONTENDERS}, "info": {}}
+    inputs = _feeds(model)
+    cache = work / "profiles"
+    for contender in order:
+        log(f"  {contender}")
+        if contender in PEER_KINDS:
+            try:
+                server = PeerServer(PEER_KINDS[contender], model, cpus, args.warmup)
+            except Exception as exc:  # noqa: BLE001 - a runtime refusing the model is a figure too
+                row["info"][contender] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+                continue
+            try:
+                row["info"][contender] = server.info
+                row["results"][contender] = _searches(server, server.info["closed_loop_rps"], args, SLOS_MS, log)
+            finally:
+                server.close()
+            continue
+        for slo in SLOS_MS:
+            started = time.monotonic()
+            outcome = search_layout(model, "auto", cpus, slo, cache_dir=cache,
+                                    batches=batch_choices(args.max_batch), budget_s=args.search_budget,
+                                    settings=MeasureSettings(warmup_s=0.5, window_s=0.25), strict_cache=False,
+                                    cache_source="online_peers")
+            pick = {"search_s": round(time.monotonic() - started, 1), "complete": outcome.complete,
+                    "runs": len(outcome.rows)}
+            if outcome.best is None:
+                row["info"][f"reamer {slo:g}"] = {**pick, "error": outcome.note or f"no layout meets {slo:g} ms"}
+                row["results"]["reamer"][f"{slo:g}"] = {"rate_rps": 0.0, "p99_ms": None, "steps": [],
+                                                        "why_not_above": "the search found no layout under the SLO"}
+                continue
+            layout = outcome.best.layout
+            pick |= {"layout": format_layout(layout), "search_rps": outcome.best.rps, "search_p99_ms":
+                     outcome.best.p99_ms}
+            row["info"][f"reamer {slo:g}"] = pick
+            log(f"    {slo:g} ms: {pick['layout']} ({pick['search_rps']:.2f}/s in the search, {pick['search_s']} s)")
+            job = ReamerJob(model, layout, cpus, slo, work / f"job-{slo:g}", inputs, args.client)
+            try:
+                row["results"]["reamer"] |= _searches(job, outcome.best.rps, args, [slo], log)
+            finally:
+                job.close()
+    row["ratio"] = {}
+    for slo in SLOS_MS:
+        key = f"{slo:g}"
+        rates = {c: row["results"][c].get(key, {}).get("rate_rps") for c in CONTENDERS}
+        peers = {c: r for c, r in rates.items() if c != "reamer" and r is not None}
+        best = max(peers, key=peers.get) if peers else None
+        mine = rates.get("reamer")
+        row["ratio"][key] = {"best_peer": best, "ratio": (mine / peers[best] if best and peers[best] > 0 and
+                                                          mine is not None else None)}
+    row["load_after"] = loadavg()
+    return row
+
+
+# --- output -------------------------------------------------------------------------------------------------
+
+def _cell(result: dict) -> str:
+    if not result:
+        return "-"
+    rate = result.get("rate_rps") or 0.0
+    if rate <= 0:
+        return f"none ({result.get('why_not_above') or 'failed'})"
+    return f"{'≥ ' if result.get('at_ceiling') else ''}{rate:.3g} (p99 {result['p99_ms']:.0f})"
+
+
+def render(data: dict) -> str:
+    m = data["machine"]
+    lines = [
+        f"Command: `{data['command']}` · machine: {m['cpu_model']}, {m['cpus']} cpus, all of them given to every "
+        f"contender ({data['cpus']}) · load average (1 min) {data['load_start'][0]} at the start, "
+        f"{data['load_end'][0]} at the end (per row below) · {data['started']}–{data['ended']} UTC · steps of "
+        f"{data['step_s']} s, Poisson arrivals seed {data['seed']}, rate precision {data['precision']:.0%}.",
+        "",
+        "Rate = the highest open-loop request rate (requests/s, batch 1 per request) with every request answered, "
+        "p99 ≤ the SLO and no growing queue (the last quarter's median latency at most SLO/4 above the first "
+        "half's); p99 in ms at that rate. reamer = the layout its search picks for the SLO (both backends, the "
+        "agent's deploy settings), served as a real online job and driven through its REST front door (binary "
+        f"tensors, the {data.get('client', 'lean')} client on the same cpus, its cpu per request in the JSON); the peers are "
+        "driven in-process with no HTTP, no decoding and no client beside them, which favours them. OpenVINO "
+        "THROUGHPUT = one process, its own streams, OPTIMAL_NUMBER_OF_INFER_REQUESTS async requests, f32 "
+        "(reamer's numerics); ORT default = InferenceSession with no options, one request at a time in arrival "
+        "order.",
+        "",
+        "| model | SLO ms | reamer layout | reamer /s (p99) | OpenVINO THROUGHPUT f32 /s (p99) | ORT default /s "
+        "(p99) | reamer / best peer | load |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | | {r['error']} | | | | | |")
+            continue
+        for slo in SLOS_MS:
+            key = f"{slo:g}"
+            pick = r["info"].get(f"reamer {key}", {})
+            layout = pick.get("layout") or pick.get("error", "-")
+            ratio = r["ratio"][key]
+            rtext = f"{ratio['ratio']:.2f}× ({ratio['best_peer']})" if ratio.get("ratio") is not None else "-"
+            ov_info = r["info"].get("OpenVINO THROUGHPUT f32", {})
+            ov = _cell(r["results"]["OpenVINO THROUGHPUT f32"].get(key, {})) if "error" not in ov_info else \
+                f"refused: {ov_info['error'][:60]}"
+            lines.append(f"| {r['model']} | {key} | {layout} | {_cell(r['results']['reamer'].get(key, {}))} | {ov} | "
+                         f"{_cell(r['results']['ORT default'].get(key, {}))} | {rtext} | "
+                         f"{r['load_before'][0]}→{r['load_after'][0]} |")
+    met = [r["ratio"][f"{s:g}"]["ratio"] for r in data["rows"] if "ratio" in r for s in SLOS_MS]
+    met = [x for x in met if x is not None]
+    lines += ["", f"Target reamer / best peer ≥ 1.0: met in {sum(x >= 1.0 for x in met)} of {len(met)} "
+                  f"(model, SLO) rows; within one search step's precision (≥ {1 - data['precision']:.2f}) in "
+                  f"{sum(x >= 1 - data['precision'] for x in met)}."]
+    return "\n".join(lines)
+
+
+def write_section(path: str, text: str) -> None:
+    """Our subsection, placed right after the offline peers table on first write, replaced in place after."""
+    from results_md import read_section, replace_section
+
+    if read_section(path, SECTION) is None and read_section(path, AFTER) is not None:
+        lines = Path(path).read_text().splitlines(keepends=True)
+        start = next(i for i, line in enumerate(lines) if line.rstrip() == AFTER)
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(("## ", "### ", "<!-- bench:"))),
+                   len(lines))
+        Path(path).write_text("".join(lines[:end]).rstrip("\n") + f"\n\n{SECTION}\n\n" + "".join(lines[end:]))
+    replace_section(path, SECTION, text, parent=PARENT)
+
+
+def resolve_model(name: str, model_dir: Path) -> str:
+    """A model name as bench/peers.py takes it: a family of search_calibration, or exported:NAME."""
+    from peers import FAMILIES
+    from search_calibration import model_file
+
+    if name.startswith("exported:"):
+        sys.path.insert(0, str(ROOT / "tests" / "acceptance"))
+        from exported_models import ensure_models
+
+        return str(ensure_models() / f"{name.split(':', 1)[1]}.onnx")
+    return str(model_file(name, FAMILIES.get(name, {}), model_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__[__doc__.index("    # the full run"):],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peer", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated (default {DEFAULT_MODELS}; also tiny)")
+    p.add_argument("--cpus", default=None, help="cpu list, e.g. 0,1 (default: every cpu this process may use)")
+    p.add_argument("--step", type=float, default=4.0, help="seconds of arrivals per rate step (default 4)")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds of discarded load on each server first")
+    p.add_argument("--steps", type=int, default=6, help="rate steps of the first (1 s SLO) search (default 6)")
+    p.add_argument("--more-steps", type=int, default=4, help="rate steps of a peer's 200 ms search (default 4)")
+    p.add_argument("--precision", type=float, default=0.08, help="stop when the bracket is this tight (0.08 = 8%%)")
+    p.add_argument("--max-rate", type=float, default=2000.0,
+                   help="the highest rate tried, requests/s (default 2000: about what one Python HTTP client sends)")
+    p.add_argument("--client", choices=("lean", "loadgen"), default="lean",
+                   help="reamer's HTTP client: lean (asyncio, keep-alive, the request encoded once; default) or "
+                        "loadgen (reamer.serve.loadgen, httpx: several ms of cpu per request on this machine)")
+    p.add_argument("--seed", type=int, default=0, help="the Poisson arrivals' seed")
+    p.add_argument("--search-budget", type=float, default=90.0, help="reamer's search budget s (the agent's default)")
+    p.add_argument("--max-batch", type=int, default=8, help="reamer's search: batches up to this (default 8)")
+    p.add_argument("--model-dir", default="/tmp/reamer-bench-models")
+    p.add_argument("--quick", action="store_true", help="shorter steps, fewer of them, a 30 s search budget")
+    p.add_argument("--out", default=str(BENCH / "results" / "online_peers"))
+    p.add_argument("--results-md", default=None, help="write the section into this RESULTS.md (full runs only)")
+    p.add_argument("--render", default=None, metavar="JSON", help="write the section from an online_peers.json")
+    args = p.parse_args(argv)
+    if args.peer:
+        peer_main(json.loads(args.peer))
+        return 0
+    if args.render:
+        text = render(json.loads(Path(args.render).read_text()))
+        print(text)
+        if args.results_md:
+            write_section(args.results_md, text)
+        return 0
+    from search_calibration import loadavg, machine_info
+
+    if args.quick:  # shorter everything, except what was asked for explicitly
+        quick = {"step": 2.0, "warmup": 1.0, "steps": 4, "more_steps": 3, "search_budget": 30.0, "max_batch": 4,
+                 "precision": 0.15}
+        for key, value in quick.items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
+    cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
+    names = [m for m in args.models.split(",") if m]
+    data: dict[str, Any] = {"command": "python bench/online_peers.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                            "machine": machine_info(), "cpus": cpus, "step_s": args.step, "seed": args.seed,
+                            "precision": args.precision, "client": args.client, "load_start": loadavg(),
+                            "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "rows": []}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="online-peers-") as tmp:
+        for index, name in enumerate(names):
+            order = list(CONTENDERS[index % 3:] + CONTENDERS[:index % 3])  # rotated: drift hits all alike
+            print(f"== {name} (load {loadavg()})", flush=True)
+            try:
+                row = compare_model(name, resolve_model(name, Path(args.model_dir)), cpus, args, order,
+                                    Path(tmp) / name.replace(":", "_"))
+            except Exception as exc:  # noqa: BLE001 - one model failing must not lose the others' figures
+                row = {"model": name, "error": f"{type(exc).__name__}: {exc}"[:200]}
+            print(json.dumps({k: row.get(k) for k in ("model", "ratio", "error")}), flush=True)
+            data["rows"].append(row)
+            data["load_end"], data["ended"] = loadavg(), time.strftime("%H:%M", time.gmtime())
+            (out / "online_peers.json").write_text(json.dumps(data, indent=1, default=str))
+    text = render(data)
+    print(text)
+    if args.results_md and not args.quick:
+        write_section(args.results_md, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

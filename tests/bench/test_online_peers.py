@@ -1,0 +1,131 @@
+"""The online peers bench: its pass rule and rate search against a simulated server (no timing), and a smoke run
+of the whole bench (real reamer job, real OpenVINO and ONNX Runtime) on the tiny model."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from online_peers import SECTION, Step, bracket, search_rate, step_from, write_section  # noqa: E402
+
+
+class SimulatedServer:
+    """A server with a fixed capacity: latency = base / (1 - load), past capacity it falls behind (and sheds when
+    told to). Counts the probes it answered."""
+
+    def __init__(self, capacity: float, base_ms: float, shed_above: float | None = None) -> None:
+        self.capacity, self.base_ms, self.shed_above = capacity, base_ms, shed_above
+        self.rates: list[float] = []
+
+    def __call__(self, rate: float) -> Step:
+        self.rates.append(rate)
+        n = max(int(rate * 5), 1)
+        load = rate / self.capacity
+        if load >= 1:  # the queue grows all through the step
+            lat = [self.base_ms + 1e3 * i / rate * (load - 1) for i in range(n)]
+        else:
+            lat = [self.base_ms / (1 - load)] * n  # one value: p99 is the same whatever the step's size
+        shed = self.shed_above is not None and rate > self.shed_above
+        status = ["shed" if shed and i % 7 == 0 else "ok" for i in range(n)]
+        return step_from(rate, 5.0, [i / rate for i in range(n)], lat, status)
+
+    def threshold(self, slo_ms: float) -> float:
+        """The true highest rate meeting the SLO: p99 = base / (1 - load) <= slo, below any shedding."""
+        rate = self.capacity * (1 - self.base_ms / slo_ms)
+        return min(rate, self.shed_above) if self.shed_above is not None else rate
+
+
+@pytest.mark.parametrize("capacity,base_ms,slo_ms,start", [
+    (20.0, 50.0, 1000.0, 14.0),  # start below the answer: grow, then bisect
+    (20.0, 50.0, 200.0, 14.0),  # start above it: shrink, then bisect
+    (300.0, 2.0, 200.0, 60.0),  # far below: several growth steps
+    (5.0, 150.0, 200.0, 3.5),  # tight SLO: the answer is a small fraction of capacity
+])
+def test_the_search_brackets_the_true_rate_within_its_precision(capacity, base_ms, slo_ms, start):
+    server = SimulatedServer(capacity, base_ms)
+    found = search_rate(server, slo_ms, start, max_steps=12, precision=0.05)
+    truth = server.threshold(slo_ms)
+    assert found.best is not None and found.best.meets(slo_ms)
+    assert found.rate_rps <= truth * 1.001  # never reports a rate that fails
+    assert found.rate_rps >= truth / 1.05 / 1.001  # and is within the precision of the true rate
+    assert found.below_rps is not None and found.below_rps <= found.rate_rps * 1.05 + 1e-9
+    assert len(server.rates) == len(found.steps) <= 12
+
+
+def test_a_second_slo_starts_from_the_first_searchs_steps():
+    server = SimulatedServer(20.0, 50.0)
+    first = search_rate(server, 1000.0, 14.0, max_steps=8, precision=0.05)
+    probes_before = len(server.rates)
+    second = search_rate(server, 200.0, 14.0, known=first.steps, max_steps=8, precision=0.05)
+    alone = search_rate(SimulatedServer(20.0, 50.0), 200.0, 14.0, max_steps=8, precision=0.05)
+    assert len(server.rates) - probes_before == len(second.steps) < len(alone.steps)
+    assert second.rate_rps == pytest.approx(alone.rate_rps, rel=0.06)
+
+
+def test_shedding_or_falling_behind_fails_a_step_whatever_its_p99():
+    shedding = SimulatedServer(100.0, 1.0, shed_above=40.0)
+    found = search_rate(shedding, 1000.0, 70.0, max_steps=12, precision=0.03)
+    assert 40.0 / 1.03 <= found.rate_rps <= 40.0
+    # a queue that grows by 600 ms over the step: p99 under a 1 s SLO, yet not a rate the server sustains
+    behind = step_from(10.0, 5.0, [i / 10 for i in range(50)], [20.0 + 12.0 * i for i in range(50)], ["ok"] * 50)
+    assert behind.p99_ms < 1000 and not behind.kept_up(1000.0) and not behind.meets(1000.0)
+    steady = step_from(10.0, 5.0, [i / 10 for i in range(50)], [20.0 + (i % 5) for i in range(50)], ["ok"] * 50)
+    assert steady.meets(1000.0) and steady.meets(30.0) and not steady.meets(20.0)
+
+
+def test_the_ceiling_ends_the_search_and_nothing_passing_reads_zero():
+    fast = search_rate(SimulatedServer(1e6, 0.1), 200.0, 50.0, max_steps=10, max_rps=300.0)
+    assert fast.rate_rps == 300.0 and fast.at_ceiling and len(fast.steps) < 10
+    never = search_rate(SimulatedServer(5.0, 500.0), 200.0, 3.5, max_steps=4)
+    assert never.best is None and never.rate_rps == 0.0 and never.below_rps is not None
+
+
+def test_bracket_ignores_a_noisy_failure_below_a_pass():
+    ok = step_from(10.0, 1.0, [0.0], [10.0], ["ok"])
+    noisy = step_from(8.0, 1.0, [0.0], [900.0], ["ok"])
+    fail = step_from(14.0, 1.0, [0.0], [900.0], ["ok"])
+    lo, hi = bracket([noisy, ok, fail], 200.0)
+    assert lo is ok and hi is fail
+
+
+def test_the_section_lands_right_after_the_offline_table_and_is_replaced_in_place(tmp_path):
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# r\n\n## Against each runtime's own tuning (issue 14)\n\nintro\n\n"
+                  "### Offline: reamer's pick against OpenVINO THROUGHPUT, ONNX Runtime's default session, one "
+                  "backend alone\n\noffline table\n\n### A serving peer: MLServer (issue 14)\n\nmlserver\n")
+    write_section(str(md), "first")
+    write_section(str(md), "second")
+    text = md.read_text()
+    assert text.count(SECTION) == 1 and "first" not in text
+    assert text.index("offline table") < text.index(SECTION) < text.index("second") < text.index("MLServer")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the bench gives every contender two cpus")
+def test_quick_run_on_the_tiny_model(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "bench/online_peers.py", "--quick", "--models", "tiny", "--max-rate", "60", "--step", "1",
+         "--search-budget", "15", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = json.loads((tmp_path / "online_peers.json").read_text())["rows"][0]
+    assert "error" not in row, row
+    for contender, results in row["results"].items():
+        assert set(results) == {"1000", "200"}, contender
+        steps = [s for r in results.values() for s in r["steps"]]
+        assert steps and all(s["sent"] > 0 for s in steps)
+        for slo, result in results.items():
+            if result["rate_rps"] > 0:  # the reported rate is one of the contender's passing steps
+                assert any(s["rate_rps"] == result["rate_rps"] and s["ok"] == s["sent"] and
+                           s["p99_ms"] <= float(slo) for s in steps), (contender, slo)
+    # reamer's requests went through its front door and came back answered (binary tensors accepted)
+    reamer_steps = [s for r in row["results"]["reamer"].values() for s in r["steps"]]
+    assert any(s["ok"] > 0 for s in reamer_steps)
+    assert math.isfinite(row["ratio"]["1000"]["ratio"])
