@@ -192,8 +192,11 @@ def quick_search(
        together slowed throughput and inflated p99, profile the sizes that then meet the SLO,
        partition the adjusted points and verify again (at most `max_rounds` rounds); then walk from
        the best layout that missed toward lighter neighbours (at most `max_repairs` runs).
-       5. Sweep the batch of the best verified core splits (at most `max_sweep` runs each): how
-       much running instances slow each other depends on the batch, which no profile shows.
+       5. Walk the batch of the best verified core splits up and down while the measured throughput
+       gains (at most `max_sweep` runs each): how much running instances slow each other depends on
+       the batch, which no profile shows.
+       A layout of one instance (a thread per core, one stream) is its single-instance point: the point
+       measured alone counts as its first run, so it is not run again to be verified.
        Before 4's repair walk: the best layouts whose one run missed the SLO by at most
        `recheck_margin` (a measurement's noise) run twice more (at most `max_rechecks` runs); the
        mean of the three decides. One noisy run just over the SLO otherwise discards the best layout for good.
@@ -234,10 +237,15 @@ def quick_search(
     runs: dict[Layout, list[tuple[float, float]]] = {}
 
     def run(layout: Layout, guess: Candidate | None) -> Candidate:
-        rps, p99 = verify(layout)
-        rec.done += 1
-        rec.total = max(rec.total, rec.done)
-        progress(rec.done, rec.total, f"verified {layout}")
+        alone = _alone_point(layout, rec.points)
+        if alone is not None and layout not in runs:
+            # one instance on every core running "together" is the point measured alone: its first run
+            rps, p99 = alone.throughput_rps, alone.p99_ms
+        else:
+            rps, p99 = verify(layout)
+            rec.done += 1
+            rec.total = max(rec.total, rec.done)
+            progress(rec.done, rec.total, f"verified {layout}")
         runs.setdefault(layout, []).append((rps, p99))
         known = verified.get(layout)
         guess = guess or known or _predict(layout, rec.points)
@@ -439,11 +447,18 @@ def _batch_sweep(
     slo_ms: float | None,
     run: Callable[[Layout, Candidate | None], Candidate],
     budget: int,
+    min_gain: float = 0.02,
 ) -> None:
-    """Run the two best verified core splits, and the single instance on all cores (the other end of
-    Cloud Reamer's scale-up/scale-out axis), at other batches (every instance at one batch, each
-    (cores, batch) point meeting the SLO alone), best predicted first, at most `budget` runs each.
-    Points the batch doubling skipped are measured first, up to the first batch that misses the SLO."""
+    """Walk the batch of the two best verified core splits, and of the single instance on all cores (the
+    other end of Cloud Reamer's scale-up/scale-out axis), every instance at one batch: from the split's
+    best verified layout (first at each of its batches) one step up from its largest batch, then one step
+    down from its smallest, running each step together and going on in that
+    direction while the measured throughput gains at least `min_gain` (downward: on to the smallest
+    batch); at most `budget` runs per split.
+    How much running instances slow each other depends on the batch, which no profile shows; a walk
+    finds the batch that pays without measuring every batch (large batches cost the most time: a
+    point at batch 32 of a large model runs for a minute). Each step's (cores, batch) points must meet
+    the SLO alone (measured first where missing)."""
     feasible = sorted((c for c in verified.values() if _meets(c.p99_ms, slo_ms)), key=lambda c: -c.rps)
     splits: list[Layout] = []
     for candidate in feasible:
@@ -452,21 +467,47 @@ def _batch_sweep(
             splits.append(candidate.layout)
     widest = max((len(s.instances) == 1 and s.total_cores for s in splits), default=0)
     chosen = splits[:2] + [s for s in splits[2:] if len(s.instances) == 1 and s.total_cores == widest][:1]
+    ordered = sorted(set(batches))
     for best in chosen if budget > 0 else []:
-        for cores in sorted({s.cores for s in best.instances}):
-            for batch in batches:
-                if not _meets(rec.point(cores, batch).p99_ms, slo_ms):
+        sizes = sorted({s.cores for s in best.instances})
+
+        def at(batch: int, best: Layout = best) -> Layout:
+            return Layout(tuple(InstanceShape(s.cores, s.threads, batch) for s in best.instances)).canonical()
+
+        def fits(batch: int, sizes: list[int] = sizes) -> bool:
+            return all(_meets(rec.point(cores, batch).p99_ms, slo_ms) for cores in sizes)
+
+        own = sorted({s.batch for s in best.instances} & set(ordered))
+        if not own:
+            continue
+        left = budget
+        for batch in own:  # a mixed-batch best: its split at each of its batches first
+            if at(batch) not in verified and left > 0 and fits(batch):
+                run(at(batch), _predict(at(batch), rec.points))
+                left -= 1
+        top = max(c.rps for c in verified.values()
+                  if (c.layout == best or c.layout in {at(b) for b in own}) and _meets(c.p99_ms, slo_ms))
+        # up: one step that does not gain ends the walk (larger batches cost the most time); down: on to
+        # the smallest batch while the budget lasts (small batches are cheap to run, and throughput
+        # measured together dips and rises again as the batch shrinks)
+        for step, start, patience in ((1, own[-1], 1), (-1, own[0], len(ordered))):
+            index, flat = ordered.index(start), 0
+            while left > 0:
+                index += step
+                if not 0 <= index < len(ordered) or not fits(ordered[index]):
                     break
-        points = rec.points
-        options = []
-        for batch in sorted({b for _, b in points}):
-            shapes = [InstanceShape(s.cores, s.threads, batch) for s in best.instances]
-            if all((s.cores, batch) in points and _meets(points[(s.cores, batch)].p99_ms, slo_ms) for s in shapes):
-                layout = Layout(tuple(shapes)).canonical()
-                if layout not in verified:
-                    options.append(_predict(layout, points))
-        for option in sorted(options, key=lambda c: -c.predicted_rps)[:budget]:
-            run(option.layout, option)
+                layout = at(ordered[index])
+                if layout in verified:
+                    found = verified[layout]
+                else:
+                    found = run(layout, _predict(layout, rec.points))
+                    left -= 1
+                if _meets(found.p99_ms, slo_ms) and found.rps >= top * (1.0 + min_gain):
+                    top, flat = found.rps, 0
+                    continue
+                flat += 1
+                if flat >= patience or not _meets(found.p99_ms, slo_ms):
+                    break
 
 
 def _together_factors(verified: dict[Layout, Candidate],
@@ -506,6 +547,16 @@ def _factor_for(factors: dict[int, float], cores: int) -> float:
     if low == high:
         return factors[low]
     return factors[low] + (cores - low) / (high - low) * (factors[high] - factors[low])
+
+
+def _alone_point(layout: Layout, points: dict[tuple[int, int], ProfilePoint]) -> ProfilePoint | None:
+    """The single-instance point that `layout` is (one instance, a thread per core, one stream), if measured."""
+    if len(layout.instances) != 1:
+        return None
+    shape = layout.instances[0]
+    if shape.threads != shape.cores or shape.streams != 1:
+        return None
+    return points.get((shape.cores, shape.batch))
 
 
 def _predict(layout: Layout, points: dict[tuple[int, int], ProfilePoint]) -> Candidate:
@@ -653,10 +704,12 @@ def screen_backends(measure: BackendMeasureFn, backends: Sequence[str], n_cores:
     return screens
 
 
-def streams_variants(layout: Layout, max_streams_per_core: int = 1) -> list[Layout]:
+def streams_variants(layout: Layout, max_streams_per_core: int = 1, max_batch: int | None = None) -> list[Layout]:
     """The layout with every instance of two or more cores running one OpenVINO stream per core (what the
     THROUGHPUT hint does on cores without hyper-threads), and the single instance over all its cores
-    doing the same at the same samples in flight; [] when the layout has nothing to split."""
+    doing the same at the same samples in flight, at most `max_batch` (the largest batch searched: one
+    batch beyond it lies outside the space and costs the most time to run); [] when the layout has
+    nothing to split."""
     variants = []
     if any(s.cores > 1 for s in layout.instances):
         variants.append(Layout(tuple(InstanceShape(s.cores, s.threads, max(s.batch, s.cores), s.cores)
@@ -665,6 +718,8 @@ def streams_variants(layout: Layout, max_streams_per_core: int = 1) -> list[Layo
     if total > 1:
         in_flight = sum(s.batch for s in layout.instances)
         per_stream = max(1, in_flight // total)
+        if max_batch is not None:
+            per_stream = max(1, min(per_stream, max_batch // total))
         single = Layout((InstanceShape(total, total, per_stream * total, total),), layout.backend)
         if single not in variants:
             variants.append(single)
@@ -733,7 +788,7 @@ def quick_search_backends(
         candidates += [Candidate(c.layout.on(backend), c.predicted_rps, c.predicted_p99_ms, c.measured_rps,
                                  c.measured_p99_ms) for c in result.candidates]
         if verify is not None and backend in streams_backends and result.best is not None:
-            for layout in streams_variants(result.best.layout.on(backend)):
+            for layout in streams_variants(result.best.layout.on(backend), max_batch=batches[-1]):
                 rps, p99 = verify(layout)
                 counts["verify"] += 1
                 progress(counts["measured"] + counts["verify"], counts["measured"] + counts["verify"],

@@ -59,8 +59,9 @@ class SyntheticModel:
         return 1000.0 * shape.batch / latency, 2.0 * latency
 
     def profile(self, cores: int, batch: int) -> ProfilePoint:
-        """A single-instance measurement, as the profiler would return it (threads = cores)."""
-        rps, p99 = self.instance_alone(InstanceShape(cores, cores, batch))
+        """A single-instance measurement, as the profiler would return it (threads = cores): the layout
+        of that one instance (a wide instance alone can saturate memory bandwidth too)."""
+        rps, p99 = self.run_layout(Layout((InstanceShape(cores, cores, batch),)))
         return ProfilePoint(cores=cores, batch=batch, throughput_rps=rps, p99_ms=p99)
 
     def run_layout(self, layout: Layout) -> tuple[float, float]:
