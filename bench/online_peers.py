@@ -82,7 +82,7 @@ class Step:
     early_p50_ms: float = math.nan  # median latency of the first half of the arrivals
     late_p50_ms: float = math.nan  # median latency of the last quarter: a server falling behind shows here
     wall_s: float = 0.0
-    client_cpu_ms: float | None = None  # per request, the driving process's cpu time (reamer: the HTTP client)
+    cpu_ms: float | None = None  # cpu per request of the driving process: reamer's HTTP client; a peer's whole process
     detail: str = ""
 
     def kept_up(self, slo_ms: float) -> bool:
@@ -106,7 +106,7 @@ class Step:
 
 
 def step_from(rate_rps: float, duration_s: float, scheduled_s: Sequence[float], latency_ms: Sequence[float],
-              status: Sequence[str], wall_s: float = 0.0, client_cpu_ms: float | None = None,
+              status: Sequence[str], wall_s: float = 0.0, cpu_ms: float | None = None,
               detail: str = "") -> Step:
     """A Step from per-request records (arrival offset s, latency ms from the arrival, "ok"/"shed"/"error")."""
     ok_lat = [lat for lat, st in zip(latency_ms, status) if st == "ok"]
@@ -121,7 +121,7 @@ def step_from(rate_rps: float, duration_s: float, scheduled_s: Sequence[float], 
     return Step(rate_rps, duration_s, n, len(ok_lat), sum(st == "shed" for st in status),
                 sum(st == "error" for st in status), p50, p99, completed,
                 float(np.median(early)) if early else math.nan, float(np.median(late)) if late else math.nan,
-                wall_s, client_cpu_ms, detail)
+                wall_s, cpu_ms, detail)
 
 
 # --- the rate search (pure: unit-tested against a simulated server) -----------------------------------------
@@ -482,7 +482,7 @@ def _searches(server, capacity: float, args: argparse.Namespace, slos: Sequence[
     def probe(rate: float) -> Step:
         step = server.step(rate, args.step, args.seed, max(5.0, 5 * max(slos) / 1e3))
         log(f"    {rate:9.2f}/s  p99 {step.p99_ms:8.1f} ms  ok {step.ok}/{step.sent}  p50 early/late "
-            f"{step.early_p50_ms:.0f}/{step.late_p50_ms:.0f} ms  client cpu {step.client_cpu_ms or 0:.2f} ms/req")
+            f"{step.early_p50_ms:.0f}/{step.late_p50_ms:.0f} ms  driver cpu {step.cpu_ms or 0:.2f} ms/req")
         return step
 
     server.step(min(max(capacity * 0.3, 0.5), args.max_rate * 0.3), args.warmup, args.seed + 1, 10.0)  # discarded
@@ -575,7 +575,8 @@ def _cell(result: dict) -> str:
         return "-"
     rate = result.get("rate_rps") or 0.0
     if rate <= 0:
-        return f"none ({result.get('why_not_above') or 'failed'})"
+        why = str(result.get("why_not_above") or "failed").replace("|", "/")
+        return f"none ({why[:70]}{'…' if len(why) > 70 else ''})"
     return f"{'≥ ' if result.get('at_ceiling') else ''}{rate:.3g} (p99 {result['p99_ms']:.0f})"
 
 
@@ -659,8 +660,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus", default=None, help="cpu list, e.g. 0,1 (default: every cpu this process may use)")
     p.add_argument("--step", type=float, default=4.0, help="seconds of arrivals per rate step (default 4)")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of discarded load on each server first")
-    p.add_argument("--steps", type=int, default=6, help="rate steps of the first (1 s SLO) search (default 6)")
-    p.add_argument("--more-steps", type=int, default=4, help="rate steps of a peer's 200 ms search (default 4)")
+    p.add_argument("--steps", type=int, default=5, help="rate steps of a first search (default 5)")
+    p.add_argument("--more-steps", type=int, default=3, help="rate steps of a peer's 200 ms search (default 3)")
     p.add_argument("--precision", type=float, default=0.08, help="stop when the bracket is this tight (0.08 = 8%%)")
     p.add_argument("--max-rate", type=float, default=2000.0,
                    help="the highest rate tried, requests/s (default 2000: about what one Python HTTP client sends)")
