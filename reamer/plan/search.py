@@ -704,6 +704,18 @@ def screen_backends(measure: BackendMeasureFn, backends: Sequence[str], n_cores:
     return screens
 
 
+def screening_order(screens: list[BackendScreen]) -> list[BackendScreen]:
+    """The backends, the one ahead at screening first (its mean share of the best throughput over the
+    screening points; ties keep the given order): a search cut short by its time budget has then searched
+    the likeliest winner."""
+    def share(screen: BackendScreen) -> float:
+        shares = [rps / max(max(s.throughput.get(point, 0.0) for s in screens), 1e-12)
+                  for point, rps in screen.throughput.items()]
+        return sum(shares) / len(shares) if shares else 0.0
+
+    return sorted(screens, key=lambda s: -share(s))
+
+
 def streams_variants(layout: Layout, max_streams_per_core: int = 1, max_batch: int | None = None) -> list[Layout]:
     """The layout with every instance of two or more cores running one OpenVINO stream per core (what the
     THROUGHPUT hint does on cores without hyper-threads), and the single instance over all its cores
@@ -750,7 +762,8 @@ def quick_search_backends(
     **options: object,
 ) -> tuple[SearchResult, list[BackendScreen]]:
     """`quick_search` over the backend dimension: screen every backend on a few points, drop the ones
-    clearly behind, search each remaining one (its points measured once: the screening's are reused),
+    clearly behind, search each remaining one, the one ahead at screening first (its points measured once:
+    the screening's are reused),
     try OpenVINO streams on the best layouts of a backend that has them, and keep the measured best.
     Every returned layout names its backend; `verify(layout)` runs `layout.backend`."""
     batches = _check(n_cores, batches)
@@ -767,7 +780,7 @@ def quick_search_backends(
         return seen[key]
 
     screens = screen_backends(measured, backends, n_cores, batches, drop_margin)
-    kept = [s.backend for s in screens if not s.dropped]
+    kept = [s.backend for s in screening_order(screens) if not s.dropped]
     results: list[SearchResult] = []
     candidates: list[Candidate] = []
     measurements: list[ProfilePoint] = []

@@ -15,7 +15,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 from reamer.host.errors import ReamerError
 from reamer.plan.layout import InstanceShape, Layout, count_layouts, format_layout, parse_layout
@@ -28,6 +28,9 @@ log = logging.getLogger("reamer.layout_search")
 
 ProgressFn = Callable[[int, int, str], None]
 AUTO = "auto"  # the backend is a search dimension: every installed backend competes
+# The quick search's wall-clock budget unless the caller gives one (issue 14: ≤ 2 min per model), with
+# room for the baseline run and the result's bookkeeping.
+QUICK_BUDGET_S = 110.0
 
 
 class ProfileCacheUnwritable(ReamerError):
@@ -78,7 +81,8 @@ class LayoutSearchOutcome:
 
     @property
     def layouts_measured(self) -> int:
-        return len({r.layout for r in self.rows if r.kind == "layout"})
+        """Distinct layouts run: together, or one instance on every core (its point is that layout's run)."""
+        return len({r.layout for r in self.rows if r.kind == "layout" or r.cores == len(self.cpus)})
 
     @property
     def cached_point_count(self) -> int:
@@ -151,14 +155,43 @@ class _Runs:
         self.rows: list[MeasurementRow] = [] if rows is None else rows  # shared by the backends of one search
         self.suffix = f"@{backend}" if tag else ""
         self.new_points: list[ProfilePoint] = []
+        self.overheads: list[float] = []  # per run measured here: its seconds beyond warm-up and windows
 
-    def _timeout_s(self) -> float:
+    def _timeout_s(self, expected_s: float = 0.0) -> float:
+        """Seconds a run may take; _BudgetSpent when the budget is spent, or would be before a run
+        expected to take `expected_s` ends (a batch-32 point of a large model runs for a minute: starting
+        it just before the deadline would overrun the budget by that much)."""
         if self.deadline is None:
             return 600.0
         left = self.deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 or expected_s > left:
             raise _BudgetSpent()
         return left + 30.0  # a run that started in time may finish; a hung worker may not hold us forever
+
+    def batch_ms(self, cores: int, batch: int) -> float | None:
+        """One batch's latency on `cores` cores alone, from the nearest measured batch on those cores
+        (scaled by the batch ratio: latency grows about linearly with the batch); None: nothing known."""
+        known = [p for p in self.points() if p.cores == cores and p.throughput_rps > 0]
+        if not known:
+            return None
+        near = min(known, key=lambda p: abs(math.log2(p.batch / batch)))
+        return 1000.0 * near.batch / near.throughput_rps * batch / near.batch
+
+    def expected_s(self, latency_ms: float | None, windows: int) -> float:
+        """A run's expected seconds: this search's start-up overhead so far (process, model load) plus
+        warm-up (the first batch, then `warmup_s`) and `windows` windows of at least one batch each."""
+        if latency_ms is None:
+            return 0.0
+        lat, s = latency_ms / 1000.0, self.settings
+        return self.overhead_s() + lat + max(s.warmup_s, lat) + windows * max(s.window_s, lat)
+
+    def overhead_s(self) -> float:
+        """The least start-up overhead (process, imports, model load) a run of this backend has had: a
+        lower bound, so a run is refused only when it would overrun the budget even at its fastest."""
+        return max(0.0, min(self.overheads)) if self.overheads else 0.0
+
+    def _ran(self, seconds: float, latency_ms: float, windows: int) -> None:
+        self.overheads.append(seconds - (self.expected_s(latency_ms, windows) - self.overhead_s()))
 
     def measure(self, cores: int, batch: int) -> ProfilePoint:
         from reamer.serve.profiler import measure_point
@@ -167,10 +200,12 @@ class _Runs:
         point = self.cached.get((cores, batch))
         if point is None:
             s = self.settings
+            timeout_s = self._timeout_s(self.expected_s(self.batch_ms(cores, batch), 3))
             point = measure_point(self.model_path, self.backend, cores, batch, self.cpus, warmup_s=s.warmup_s,
-                                  window_s=s.window_s, max_windows=s.max_windows, timeout_s=self._timeout_s(),
+                                  window_s=s.window_s, max_windows=s.max_windows, timeout_s=timeout_s,
                                   samples=self.samples, precision=self.precision)
             self.new_points.append(point)
+            self._ran(time.monotonic() - started, 1000.0 * batch / max(point.throughput_rps, 1e-9), 3)
         self.rows.append(MeasurementRow("point", f"1x{cores}:b{batch}{self.suffix}", cores, 1, str(batch),
                                         point.throughput_rps, point.p99_ms, time.monotonic() - started,
                                         (cores, batch) in self.cached, self.backend))
@@ -179,7 +214,9 @@ class _Runs:
     def verify(self, layout: Layout) -> tuple[float, float]:
         from reamer.serve.profiler import measure_layout
 
-        timeout_s = self._timeout_s()
+        latencies = [self.batch_ms(shape.cores, shape.batch) for shape in layout.instances]
+        slowest = None if any(lat is None for lat in latencies) else max(latencies)  # type: ignore[type-var]
+        timeout_s = self._timeout_s(self.expected_s(slowest, self.settings.verify_windows))
         started = time.monotonic()
         s = self.settings
         rps, p99 = measure_layout(self.model_path, self.backend, layout, self.cpus, warmup_s=s.warmup_s,
@@ -247,7 +284,7 @@ def search_layout(
     exhaustive: bool = False,
     batches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     settings: MeasureSettings = MeasureSettings(),
-    budget_s: float | None = None,
+    budget_s: float | None | Literal["default"] = "default",
     top_k: int = 5,
     progress: ProgressFn | None = None,
     cache_source: str = "layout search",
@@ -261,8 +298,9 @@ def search_layout(
     `backend`: "onnxruntime", "openvino", or "auto" (every installed backend: screened on a few points,
     the ones more than `drop_margin` behind dropped, the rest searched; the best layout names its
     backend). `cache_dir` None: neither read nor write cached points. `budget_s`: stop measuring once this much
-    time has passed (the run under way finishes) and plan from the points measured by then
-    (`complete=False`). `precision`: "f32" or "bf16" (OpenVINO computes in bfloat16 where the CPU supports it;
+    time has passed, or before a run that would certainly end after it (the run under way finishes), and
+    plan from the points measured by then (`complete=False`); "default": QUICK_BUDGET_S for the quick search,
+    none for the exhaustive one; None: no budget. `precision`: "f32" or "bf16" (OpenVINO computes in bfloat16 where the CPU supports it;
     part of the cache key). `samples`: the traffic's shapes and data (they are part of the cache key). Raises reamer.serve.profiler.ProfileError when a measurement fails (points
     measured before it are still cached) and, with `strict_cache`, ProfileCacheUnwritable when the
     cache cannot be written (else that is logged and the outcome returned).
@@ -273,6 +311,8 @@ def search_layout(
     backends = resolve_backends(backend)
     batches = sorted(set(batches))
     n_cores = len(cpus)
+    if budget_s == "default":
+        budget_s = None if exhaustive else QUICK_BUDGET_S
     deadline = time.monotonic() + budget_s if budget_s is not None else None
     rows: list[MeasurementRow] = []
     runs = {b: _Runs(model_path, b, cpus, settings, cached_points(cache_dir, model_path, b, samples, precision),
@@ -306,15 +346,22 @@ def search_layout(
                                          len(rows), why)
             # layouts verified before the budget ran out are measured facts: they compete with the plan
             planned = {format_layout(c.layout) for c in result.candidates}
+            # and so is a point of one instance on every core: that layout alone (the quick search verifies it so)
             result.candidates += [Candidate(_tagged(parse_layout(r.layout), r.backend), math.nan, math.nan,
                                             r.throughput_rps, r.p99_ms)
-                                  for r in rows if r.kind == "layout" and r.layout not in planned]
+                                  for r in rows if (r.kind == "layout" or r.cores == n_cores)
+                                  and r.layout not in planned]
         else:
             leader = result.best.layout.backend if result.best is not None else None
             base_backend = leader or backends[0]
             base_layout = Layout((InstanceShape(n_cores, n_cores, batches[-1]),), base_backend)
             base = next((r for r in rows if r.kind == "layout" and r.layout == _label(base_layout, len(backends) > 1)
                          and r.backend == base_backend), None)
+            point = next((p for p in runs[base_backend].points() if (p.cores, p.batch) == (n_cores, batches[-1])),
+                         None)
+            if base is None and point is not None:  # measured alone already: that is the baseline's run
+                base = MeasurementRow("layout", _label(base_layout, len(backends) > 1), n_cores, 1,
+                                      str(batches[-1]), point.throughput_rps, point.p99_ms, 0.0, True, base_backend)
             if base is None:
                 if progress is not None:
                     progress(len(rows) + 1, len(rows) + 1, f"baseline {format_layout(base_layout)}")
