@@ -74,6 +74,7 @@ class _Lane:
     retiring: bool = False
     idle: bool = False
     claimed: bool = False  # a request runs on it directly, outside its serving loop
+    busy_since: float | None = None  # monotonic start of the batch in flight (None: none)
 
 
 class DynamicBatcher:
@@ -147,15 +148,22 @@ class DynamicBatcher:
         self._queue.clear()
 
     # -- admission
-    def estimated_completion_s(self, extra_samples: int = 0) -> float | None:
-        """Estimated time until a request arriving now would be answered (None before any measurement)."""
+    def estimated_completion_s(self) -> float | None:
+        """Estimated time until a request arriving now would be answered (None before any measurement): what is
+        left of the soonest batch in flight, the queue ahead at the instances' combined rate, then its own batch.
+        (Counting a whole batch for the one in flight shed requests that arrived late in it, and would have made it.)"""
         rates = [w.service_rate() for w in self.workers if w.ready]
         rates = [r for r in rates if r]
         if not rates:
             return None
         latencies = [w.latency_ewma_s for w in self.workers if w.ready and w.latency_ewma_s]
-        queued = sum(r.batch for r in self._queue) + extra_samples
-        return queued / sum(rates) + (sum(latencies) / len(latencies) if latencies else 0.0)
+        now = time.monotonic()
+        # an overdue batch is still counted at a quarter of its usual time: when it ends is unknown
+        left = [max(lane.worker.latency_ewma_s - (now - lane.busy_since), 0.25 * lane.worker.latency_ewma_s)
+                for lane in self._lanes if lane.busy_since is not None and lane.worker.latency_ewma_s]
+        queued = sum(r.batch for r in self._queue)
+        return (min(left) if left else 0.0) + queued / sum(rates) + \
+            (sum(latencies) / len(latencies) if latencies else 0.0)
 
     GAP_EWMA_WEIGHT = 0.2
 
@@ -222,7 +230,7 @@ class DynamicBatcher:
             raise NotReady(f"job {self.name} has no ready instance ({reason})", "retry in a few seconds")
         batch = int(next(iter(inputs.values())).shape[0]) if inputs else 1
         if self.slo_ms is not None and not self._any_idle():
-            est = self.estimated_completion_s(batch)
+            est = self.estimated_completion_s()
             if est is not None and est * 1000.0 > self.slo_ms:
                 self.stats.record_shed()
                 raise Overloaded(
@@ -362,6 +370,13 @@ class DynamicBatcher:
         started = time.monotonic()
         for r in live:
             r.timing.queue_s = started - r.arrived
+        lane.busy_since = started
+        try:
+            await self._run_live(lane, live)
+        finally:
+            lane.busy_since = None
+
+    async def _run_live(self, lane: _Lane, live: list[_Request]) -> None:
         names = list(live[0].inputs)
         batch_inputs = {n: (live[0].inputs[n] if len(live) == 1 else np.concatenate([r.inputs[n] for r in live]))
                         for n in names}

@@ -128,6 +128,34 @@ def test_sheds_when_queue_would_miss_slo_but_never_while_an_instance_idles(model
     assert snap.shed == 1 and snap.requests == 3
 
 
+def test_a_request_that_arrives_late_in_a_batch_is_judged_by_what_is_left_of_it(models, make_worker):
+    a = make_worker(models["tiny"], max_batch=1)
+    x = {"input": np.zeros((1, 16), np.float32)}
+
+    async def main():
+        b = DynamicBatcher(slo_ms=1000.0)
+        b.add_instance(a)
+        os.kill(a.pid, signal.SIGSTOP)
+        a.latency_ewma_s = 0.6  # each batch 600 ms: a whole one in flight plus its own is 1.2 s > 1 s
+        held = asyncio.ensure_future(b.infer(x))
+        await until(lambda: a.busy, what="batch in flight")
+        lane = next(lane for lane in b._lanes if lane.worker is a)
+        lane.busy_since -= 0.5  # 500 ms of it have run: 100 ms left (counted as 150) + 600 ms fits
+        late = asyncio.ensure_future(b.infer(x))
+        await until(lambda: len(b._queue) == 1, what="the late request queued, not shed")
+        lane.busy_since += 0.5  # as if the batch had only just started: 600 + 600 (queued) + 600 ms
+        with pytest.raises(Overloaded):
+            await b.infer(x)
+        os.kill(a.pid, signal.SIGCONT)
+        await asyncio.gather(held, late)
+        snap = b.stats.snapshot()
+        await b.close()
+        return snap
+
+    snap = asyncio.run(main())
+    assert snap.shed == 1 and snap.requests == 2  # answered: the one in flight and the late one
+
+
 def test_crash_fails_in_flight_batch_clearly_then_recovers(models, make_worker, tmp_path):
     w = make_worker(models["tiny"], max_batch=4)
     x = {"input": np.ones((1, 16), np.float32)}
