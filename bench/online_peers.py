@@ -480,7 +480,9 @@ def _searches(server, capacity: float, args: argparse.Namespace, slos: Sequence[
               log: Callable[[str], None]) -> dict[str, Any]:
     """Warm-up, then the rate search for each SLO on one server (later SLOs start from the earlier steps)."""
     def probe(rate: float) -> Step:
-        step = server.step(rate, args.step, args.seed, max(5.0, 5 * max(slos) / 1e3))
+        # long enough for a p99 that means something at low rates: at least --min-requests arrivals
+        duration = min(max(args.step, args.min_requests / rate), args.max_step)
+        step = server.step(rate, duration, args.seed, max(5.0, 5 * max(slos) / 1e3))
         log(f"    {rate:9.2f}/s  p99 {step.p99_ms:8.1f} ms  ok {step.ok}/{step.sent}  p50 early/late "
             f"{step.early_p50_ms:.0f}/{step.late_p50_ms:.0f} ms  driver cpu {step.cpu_ms or 0:.2f} ms/req")
         return step
@@ -593,7 +595,8 @@ def render(data: dict) -> str:
         f"Command: `{data['command']}` · machine: {m['cpu_model']}, {m['cpus']} cpus, all of them given to every "
         f"contender ({data['cpus']}) · load average (1 min) {data['load_start'][0]} at the start, "
         f"{data['load_end'][0]} at the end (per row below) · {data['started']}–{data['ended']} UTC · steps of "
-        f"{data['step_s']} s, Poisson arrivals seed {data['seed']}, rate precision {data['precision']:.0%}.",
+        f"{data['step_s']} s (longer where fewer than {data.get('min_requests', 0)} requests would arrive, up to "
+        f"{data.get('max_step_s', '-')} s), Poisson arrivals seed {data['seed']}, rate precision {data['precision']:.0%}.",
         "",
         "Rate = the highest open-loop request rate (requests/s, batch 1 per request) with every request answered, "
         "p99 ≤ the SLO and no growing queue (the last quarter's median latency at most SLO/4 above the first "
@@ -666,6 +669,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated (default {DEFAULT_MODELS}; also tiny)")
     p.add_argument("--cpus", default=None, help="cpu list, e.g. 0,1 (default: every cpu this process may use)")
     p.add_argument("--step", type=float, default=4.0, help="seconds of arrivals per rate step (default 4)")
+    p.add_argument("--min-requests", type=int, default=30,
+                   help="a step lasts until this many arrivals are due (default 30), at most --max-step s")
+    p.add_argument("--max-step", type=float, default=20.0, help="the longest step, seconds (default 20)")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of discarded load on each server first")
     p.add_argument("--steps", type=int, default=5, help="rate steps of a first search (default 5)")
     p.add_argument("--more-steps", type=int, default=3, help="rate steps of a peer's 200 ms search (default 3)")
@@ -697,14 +703,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.quick:  # shorter everything, except what was asked for explicitly
         quick = {"step": 2.0, "warmup": 1.0, "steps": 4, "more_steps": 3, "search_budget": 30.0, "max_batch": 4,
-                 "precision": 0.15}
+                 "precision": 0.15, "min_requests": 20, "max_step": 8.0}
         for key, value in quick.items():
             if getattr(args, key) == p.get_default(key):
                 setattr(args, key, value)
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
     names = [m for m in args.models.split(",") if m]
     data: dict[str, Any] = {"command": "python bench/online_peers.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                            "machine": machine_info(), "cpus": cpus, "step_s": args.step, "seed": args.seed,
+                            "machine": machine_info(), "cpus": cpus, "step_s": args.step, "min_requests": args.min_requests,
+                            "max_step_s": args.max_step, "seed": args.seed,
                             "precision": args.precision, "client": args.client, "load_start": loadavg(),
                             "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "rows": []}
     out = Path(args.out)
