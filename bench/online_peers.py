@@ -18,8 +18,8 @@ The peers run in-process, with no HTTP, no request decoding and no client on the
 Every contender sees the same Poisson arrivals (reamer.serve.loadgen.poisson_schedule, seed `--seed`, the same
 pattern stretched to each rate) and the same sample request. A rate passes when every request is answered
 (no shed, no error), p99 <= SLO, and the server keeps up with the offered rate (the median latency of the last
-quarter of the arrivals at most SLO/4 above that of the first half: a growing queue shows there). The rate search: geometric
-steps from 0.7x the contender's closed-loop throughput until a pass and a fail bracket the answer, then
+quarter of the arrivals at most SLO/4 above that of the first half: a growing queue shows there). The rate
+search: geometric steps from 0.7x the contender's closed-loop throughput until a pass and a fail bracket the answer, then
 geometric bisection until the bracket is within `--precision` or the steps run out; the 200 ms search of a
 peer starts from the bracket its 1 s search left (same server, same steps), reamer's runs on its own job.
 
@@ -97,7 +97,8 @@ class Step:
         if self.sent == 0:
             return "no request sent"
         if self.ok < self.sent:
-            return f"{self.shed} shed, {self.errors} failed of {self.sent}" + (f" ({self.detail})" if self.detail else "")
+            why = f" ({self.detail})" if self.detail else ""
+            return f"{self.shed} shed, {self.errors} failed of {self.sent}{why}"
         if self.p99_ms > slo_ms:
             return f"p99 {self.p99_ms:.0f} ms > {slo_ms:g} ms"
         if not self.kept_up(slo_ms):
@@ -500,7 +501,8 @@ def _searches(server, capacity: float, args: argparse.Namespace, slos: Sequence[
 
 def _search_doc(found: RateSearch) -> dict[str, Any]:
     best = found.best
-    return {"rate_rps": found.rate_rps, "at_ceiling": found.at_ceiling, "p99_ms": best.p99_ms if best else None, "p50_ms": best.p50_ms if best else None,
+    return {"rate_rps": found.rate_rps, "at_ceiling": found.at_ceiling, "p99_ms": best.p99_ms if best else None,
+            "p50_ms": best.p50_ms if best else None,
             "below_rps": found.below_rps, "steps": [asdict(s) for s in found.steps],
             "why_not_above": (next((s.why_not(found.slo_ms) for s in found.steps
                                     if found.below_rps is not None and s.rate_rps == found.below_rps), None))}
@@ -596,13 +598,15 @@ def render(data: dict) -> str:
         f"contender ({data['cpus']}) · load average (1 min) {data['load_start'][0]} at the start, "
         f"{data['load_end'][0]} at the end (per row below) · {data['started']}–{data['ended']} UTC · steps of "
         f"{data['step_s']} s (longer where fewer than {data.get('min_requests', 0)} requests would arrive, up to "
-        f"{data.get('max_step_s', '-')} s), Poisson arrivals seed {data['seed']}, rate precision {data['precision']:.0%}.",
+        f"{data.get('max_step_s', '-')} s), Poisson arrivals seed {data['seed']}, rate precision "
+        f"{data['precision']:.0%}.",
         "",
         "Rate = the highest open-loop request rate (requests/s, batch 1 per request) with every request answered, "
         "p99 ≤ the SLO and no growing queue (the last quarter's median latency at most SLO/4 above the first "
         "half's); p99 in ms at that rate. reamer = the layout its search picks for the SLO (both backends, the "
         "agent's deploy settings), served as a real online job and driven through its REST front door (binary "
-        f"tensors, the {data.get('client', 'lean')} client on the same cpus, its cpu per request in the JSON); the peers are "
+        f"tensors, the {data.get('client', 'lean')} client on the same cpus, its cpu per request in the JSON); "
+        "the peers are "
         "driven in-process with no HTTP, no decoding and no client beside them, which favours them. OpenVINO "
         "THROUGHPUT = one process, its own streams, OPTIMAL_NUMBER_OF_INFER_REQUESTS async requests, f32 "
         "(reamer's numerics); ORT default = InferenceSession with no options, one request at a time in arrival "
@@ -663,7 +667,8 @@ def resolve_model(name: str, model_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__[__doc__.index("    # the full run"):],
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog=__doc__[__doc__.index("    # the full run"):],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer", default=None, help=argparse.SUPPRESS)
     p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated (default {DEFAULT_MODELS}; also tiny)")
@@ -709,8 +714,10 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(args, key, value)
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
     names = [m for m in args.models.split(",") if m]
-    data: dict[str, Any] = {"command": "python bench/online_peers.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                            "machine": machine_info(), "cpus": cpus, "step_s": args.step, "min_requests": args.min_requests,
+    command = "python bench/online_peers.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    data: dict[str, Any] = {"command": command,
+                            "machine": machine_info(), "cpus": cpus, "step_s": args.step,
+                            "min_requests": args.min_requests,
                             "max_step_s": args.max_step, "seed": args.seed,
                             "precision": args.precision, "client": args.client, "load_start": loadavg(),
                             "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "rows": []}
