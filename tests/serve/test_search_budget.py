@@ -35,3 +35,12 @@ def test_a_run_that_would_end_after_the_deadline_is_not_started():
     with pytest.raises(_BudgetSpent):
         runs._timeout_s(7200.0)
     assert _runs(None)._timeout_s(1e9) == 600.0  # no budget: nothing is refused
+
+
+def test_a_layout_run_is_expected_to_be_slowed_by_its_instances_running_together():
+    from reamer.plan.layout import parse_layout
+
+    # batch 32 on one core takes 10 s: alone the run would take 60 s and fit the 75 s left; together it would not
+    runs = _runs(75.0, [ProfilePoint(1, 32, 3.2, 10_000.0)])
+    with pytest.raises(_BudgetSpent):
+        runs.verify(parse_layout("2x1:b32"))
