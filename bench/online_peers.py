@@ -694,12 +694,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(BENCH / "results" / "online_peers"))
     p.add_argument("--results-md", default=None, help="write the section into this RESULTS.md (full runs only)")
     p.add_argument("--render", default=None, metavar="JSON", help="write the section from an online_peers.json")
+    p.add_argument("--notes", default=None, metavar="MD", help="with --render: text to put under the table")
     args = p.parse_args(argv)
     if args.peer:
         peer_main(json.loads(args.peer))
         return 0
     if args.render:
         text = render(json.loads(Path(args.render).read_text()))
+        if args.notes:  # what the run's own JSON shows about the misses, written by whoever read it
+            text += "\n\n" + Path(args.notes).read_text().strip()
         print(text)
         if args.results_md:
             write_section(args.results_md, text)
