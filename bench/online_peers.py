@@ -588,7 +588,8 @@ def _cell(result: dict) -> str:
     if rate <= 0:
         why = str(result.get("why_not_above") or "failed").replace("|", "/")
         return f"none ({why[:70]}{'…' if len(why) > 70 else ''})"
-    return f"{'≥ ' if result.get('at_ceiling') else ''}{rate:.3g} (p99 {result['p99_ms']:.0f})"
+    figure = f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
+    return f"{'≥ ' if result.get('at_ceiling') else ''}{figure} (p99 {result['p99_ms']:.0f})"
 
 
 def render(data: dict) -> str:
