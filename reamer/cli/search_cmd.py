@@ -307,11 +307,15 @@ def write_plot(path: str, data: dict, rows: list[MeasurementRow]) -> None:
               help="Windows per point before giving up on stability.")
 @click.option("--verify-windows", type=click.IntRange(min=1), default=4, show_default=True,
               help="Windows per layout verification.")
+@click.option("--budget-s", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="Stop measuring after this long and plan from what was measured (default: 100 for the quick "
+                   "search, none for --exhaustive).")
+@click.option("--no-budget", is_flag=True, help="Let the quick search measure until it is done.")
 @traffic_options
 @pass_cli
 def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch, top_n, csv_path, plot_path,
-           cache_dir, no_cache, cpus_text, warmup_s, window_s, max_windows, verify_windows, shapes=(),
-           input_data=None, precision="f32") -> None:
+           cache_dir, no_cache, cpus_text, warmup_s, window_s, max_windows, verify_windows, budget_s=None,
+           no_budget=False, shapes=(), input_data=None, precision="f32") -> None:
     """Find the best layout (instances x cores x batch) for MODEL on N cores, measured on real cores.
 
     --precision bf16 measures OpenVINO computing in bfloat16 (where the CPU supports it) and caches those
@@ -321,6 +325,9 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
 
     if plot_path is not None and not plot_path.lower().endswith(".png"):
         raise BadInput(f"--plot {plot_path} is not a .png file", "name the plot FILE.png")
+    if no_budget and budget_s is not None:
+        raise BadInput("--budget-s and --no-budget contradict each other", "give one of them")
+    budget = None if no_budget else ("default" if budget_s is None else budget_s)
     cpus = choose_cpus(cores, cpus_text)
     cache_dir = None if no_cache else (cache_dir or default_cache_dir())
     settings = MeasureSettings(warmup_s=warmup_s, window_s=window_s, max_windows=max_windows,
@@ -334,7 +341,7 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
             outcome = search_layout(model_path, backend, cpus, slo_ms, cache_dir=cache_dir, exhaustive=exhaustive,
                                     batches=batch_choices(max_batch), settings=settings, top_k=top_n,
                                     progress=progress, cache_source="reamer search", samples=samples,
-                                    precision=precision)
+                                    precision=precision, budget_s=budget)
         except ProfileCacheUnwritable as error:
             raise BadInput(error.message, "pass a writable --cache-dir, or --no-cache") from None
         finally:
@@ -366,6 +373,7 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
         "measurements": [vars(r) for r in rows],
         "cached_points": outcome.cached_point_count,
         "elapsed_s": time.monotonic() - started,
+        "complete": outcome.complete,
         "note": outcome.note,
         "cache_dir": cache_dir,
     }
@@ -381,7 +389,8 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
              for i, c in enumerate(d["candidates"])])
         extra = [f"measurements written to {csv_path}" if csv_path else "",
                  f"plot written to {plot_path}" if plot_path else "",
-                 f"{d['cached_points']} point(s) came from the profile cache {cache_dir}" if d["cached_points"] else ""]
+                 f"{d['cached_points']} point(s) came from the profile cache {cache_dir}" if d["cached_points"] else "",
+                 f"{d['note']}: give --budget-s SECONDS or --no-budget to search on" if not d["complete"] else ""]
         return "\n".join([headline(d), "", table] + [e for e in extra if e])
 
     emit(cli, data, render)

@@ -248,6 +248,19 @@ def _rank(candidates: list[Candidate], slo_ms: float | None) -> list[Candidate]:
     return sorted(candidates, key=lambda c: (not _meets(c.p99_ms, slo_ms), c.measured_rps is None, -c.rps))
 
 
+def distinct_layouts(candidates: list[Candidate]) -> list[Candidate]:
+    """The first candidate of each layout (backend included): a layout can be both predicted and verified,
+    or verified again as the baseline; ranked first, its best-known figures stay."""
+    seen: set[str] = set()
+    kept = []
+    for candidate in candidates:
+        label = format_layout(candidate.layout.canonical())
+        if label not in seen:
+            seen.add(label)
+            kept.append(candidate)
+    return kept
+
+
 def _plan_from_points(points: list[ProfilePoint], n_cores: int, slo_ms: float | None, space: int,
                       runs: int, why: str) -> SearchResult:
     try:
@@ -397,7 +410,7 @@ def search_layout(
     if len(backends) == 1:  # a fixed backend: the layouts say nothing the job does not already say
         candidates = [Candidate(c.layout.on(None), c.predicted_rps, c.predicted_p99_ms, c.measured_rps,
                                 c.measured_p99_ms) for c in candidates]
-    candidates = _rank(candidates, slo_ms)
+    candidates = distinct_layouts(_rank(candidates, slo_ms))
     best = candidates[0] if candidates and _meets(candidates[0].p99_ms, slo_ms) else None
     gain = best.rps / base.throughput_rps if best is not None and base is not None and base.throughput_rps > 0 else None
     chosen = (best.layout.backend if best is not None else None) or backends[0]

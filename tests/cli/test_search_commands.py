@@ -88,6 +88,7 @@ def test_search_that_no_layout_can_meet_fails_clearly(tiny, tmp_path):
     (["--cores", "1000"], "physical cores available here"),
     (["--cores", "1", "--cpus", "0-9999"], "are not available to this process"),
     (["--cores", "1", "--plot", "x.svg"], "is not a .png file"),
+    (["--cores", "1", "--budget-s", "5", "--no-budget"], "contradict each other"),
 ])
 def test_search_bad_input(tiny, args, message):
     result = CliRunner().invoke(cli, ["search", tiny, *args])
@@ -196,3 +197,19 @@ def test_profile_says_which_input_the_model_refused(bert, tmp_path):
     assert result.exit_code == 1
     assert "refused input token_type_ids" in result.output and "out of data bounds" in result.output
     assert "fix: give the traffic's shapes" in result.output and "Traceback" not in result.output
+
+
+def test_search_lists_each_layout_once(searched):
+    result, _ = searched
+    layouts = [c["layout"] for c in json.loads(result.stdout)["candidates"]]
+    assert layouts and len(layouts) == len(set(layouts))
+
+
+def test_search_cut_short_by_its_budget_says_so(tiny):
+    args = ["search", tiny, "--backend", "onnxruntime", "--cores", "1", "--max-batch", "32", "--no-cache", *FAST,
+            "--verify-windows", "1", "--budget-s", "0.01"]
+    data = json.loads(CliRunner().invoke(cli, ["-o", "json", *args]).stdout)
+    assert data["complete"] is False and "time budget of 0.01 s ran out" in data["note"]
+    assert data["runs"] < 6  # a full search of batches 1..32 on one core runs more
+    text = CliRunner().invoke(cli, args)
+    assert "give --budget-s SECONDS or --no-budget to search on" in text.stdout
