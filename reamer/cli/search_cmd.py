@@ -142,10 +142,12 @@ def choose_cpus(n_cores: int | None, cpus_text: str | None) -> list[int]:
 @click.option("--window-s", type=click.FloatRange(min=0.01), default=0.5, show_default=True, help="Window length.")
 @click.option("--max-windows", type=click.IntRange(min=3), default=10, show_default=True,
               help="Windows per point before giving up on stability.")
+@click.option("--precision", type=PrecisionChoice(), default="f32", show_default=True, help=PRECISION_HELP)
 @traffic_options
 @pass_cli
 def profile(cli: CliContext, model: str, backend: str, cpus_text: str | None, batches: str, warmup_s: float,
-            window_s: float, max_windows: int, shapes: tuple[str, ...] = (), input_data: str | None = None) -> None:
+            window_s: float, max_windows: int, shapes: tuple[str, ...] = (), input_data: str | None = None,
+            precision: str = "f32") -> None:
     """Characterise MODEL: does it scale up (one big instance) or out (many small ones)?
 
     Uses IPC and cache-miss rate from hardware counters where the host has them, else measured
@@ -162,7 +164,7 @@ def profile(cli: CliContext, model: str, backend: str, cpus_text: str | None, ba
         samples = checked_samples(model_path, shapes, input_data)
         cpus = choose_cpus(None, cpus_text)
         result = characterise(model_path, backend=backend, cpus=cpus, batches=batch_list, warmup_s=warmup_s,
-                              window_s=window_s, max_windows=max_windows, samples=samples)
+                              window_s=window_s, max_windows=max_windows, samples=samples, precision=precision)
         result.model = model if not os.path.isfile(model) else os.path.abspath(model)
     emit(cli, result, render_characterisation)
 

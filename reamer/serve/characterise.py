@@ -138,9 +138,9 @@ def characterise(model_path: str | os.PathLike, backend: str = "onnxruntime", cp
                  max_windows: int = 10, counter_window_s: float = 1.0, timeout_s: float = 600.0,
                  probe: Callable[[], PerfSupport] | None = None,
                  measure_counters: Callable[[int, float], CounterSample] | None = None,
-                 samples: SampleSpec | None = None) -> Characterisation:
+                 samples: SampleSpec | None = None, precision: str = "f32") -> Characterisation:
     """Classify `model_path` on `cpus` (default: all this process may use), fed by `samples` (the
-    traffic's shapes and data; default: reamer.serve.samples' rule).
+    traffic's shapes and data; default: reamer.serve.samples' rule), computing at `precision`.
 
     `probe` / `measure_counters` default to reamer.host.perf's; pass others to test the counter path.
     """
@@ -155,12 +155,14 @@ def characterise(model_path: str | os.PathLike, backend: str = "onnxruntime", cp
         try:
             return _characterise_with_counters(model, backend, cpus, batches, warmup_s, window_s,
                                                counter_window_s, timeout_s,
-                                               measure_counters or perf.measure_counters, reason, samples)
+                                               measure_counters or perf.measure_counters, reason, samples,
+                                               precision)
         except PerfUnsupported as exc:  # the probe passed but the worker's counters could not be opened
             errno, reason = exc.errno, exc.message
 
     reason_line = _counters_unavailable_once(errno, reason)
-    kw = dict(warmup_s=warmup_s, window_s=window_s, max_windows=max_windows, timeout_s=timeout_s, samples=samples)
+    kw = dict(warmup_s=warmup_s, window_s=window_s, max_windows=max_windows, timeout_s=timeout_s, samples=samples,
+              precision=precision)
     points = []
     for batch in batches:
         points.append(profiler.measure_point(model, backend, 1, batch, cpus, **kw))
@@ -177,14 +179,14 @@ def characterise(model_path: str | os.PathLike, backend: str = "onnxruntime", cp
 def _characterise_with_counters(model: str, backend: str, cpus: list[int], batches: Sequence[int], warmup_s: float,
                                 window_s: float, counter_window_s: float, timeout_s: float,
                                 measure_counters: Callable[[int, float], CounterSample], reason: str,
-                                samples: SampleSpec | None = None) -> Characterisation:
+                                samples: SampleSpec | None = None, precision: str = "f32") -> Characterisation:
     """One instance on all `cpus` per batch size; counters read from its process while it runs."""
     wide = len(cpus)
     points, counters = [], []
     windows = max(2, math.ceil(counter_window_s / window_s) + 1)  # outlasts the counter window
     for batch in batches:
         cfg = profiler.WorkerConfig(model, backend, cpus, wide, batch, warmup_s, window_s, windows,
-                                    fixed_windows=windows, samples=profiler._doc(samples))
+                                    fixed_windows=windows, samples=profiler._doc(samples), precision=precision)
         with profiler.ProfileWorker(cfg) as worker:
             worker.wait_ready(timeout_s)
             worker.go()

@@ -213,3 +213,22 @@ def test_search_cut_short_by_its_budget_says_so(tiny):
     assert data["runs"] < 6  # a full search of batches 1..32 on one core runs more
     text = CliRunner().invoke(cli, args)
     assert "give --budget-s SECONDS or --no-budget to search on" in text.stdout
+
+
+def test_profile_measures_at_the_precision_asked(tiny, monkeypatch):
+    from reamer.serve import profiler
+
+    asked = []
+    real = profiler.measure_point
+
+    def recording(*args, **kw):
+        asked.append(kw.get("precision"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(profiler, "measure_point", recording)
+    result = CliRunner().invoke(cli, ["-o", "json", "profile", tiny, "--backend", "openvino", "--precision", "bf16",
+                                      "--cpus", "0", "--batches", "1", *FAST])
+    assert result.exit_code == 0, result.output
+    assert asked == ["bf16"]
+    bad = CliRunner().invoke(cli, ["profile", tiny, "--precision", "fp8", "--cpus", "0"])
+    assert bad.exit_code == 2 and "bf16" in bad.output
