@@ -227,9 +227,8 @@ def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespa
 def render(data: dict) -> str:
     lines = [
         f"Command: `{data['command']}` · machine: {data['machine']['cpu_model']}, {data['machine']['cpus']} cpus, "
-        f"all of them given to every contender ({data['cpus']}) · load: the machine was shared with other engineers' "
-        "test runs and a QEMU VM (load average per row; up to 5× the cpu count), so the absolute figures are low and "
-        "only same-run ratios mean something · "
+        f"all of them given to every contender ({data['cpus']}) · load average per row (1 min, at the model's start and "
+        "end): the machine may be shared, so read same-run ratios · "
         f"{data['rounds']} rounds, rotated order, medians; windows {data['window_s']} s × {data['verify_windows']}.",
         "",
         "reamer = the pick of `search_layout(model, \"auto\", cpus)` (both backends screened, OpenVINO streams tried); "
