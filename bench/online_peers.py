@@ -60,8 +60,12 @@ SECTION = "### Online: highest open-loop rate under the SLO (issue 14)"
 AFTER = "### Offline: reamer's pick against OpenVINO THROUGHPUT, ONNX Runtime's default session, one backend alone"
 DEFAULT_MODELS = "resnet50,mobilenet_v2,bert-base,deepspeech2,exported:bert,exported:resnet"
 SLOS_MS = (1000.0, 200.0)  # the 1 s search first: a peer's 200 ms search starts from its bracket
-CONTENDERS = ("reamer", "OpenVINO THROUGHPUT f32", "ORT default")
-PEER_KINDS = {"OpenVINO THROUGHPUT f32": "ov-throughput-f32", "ORT default": "ort-default"}
+INPROCESS_PEERS = ("OpenVINO THROUGHPUT f32", "ORT default")
+HTTP_PEERS = ("OpenVINO THROUGHPUT f32 over HTTP", "ORT default over HTTP")
+CONTENDERS = ("reamer", *INPROCESS_PEERS, *HTTP_PEERS)
+PEER_KINDS = {"OpenVINO THROUGHPUT f32": "ov-throughput-f32", "ORT default": "ort-default",
+              "OpenVINO THROUGHPUT f32 over HTTP": "ov-throughput-f32", "ORT default over HTTP": "ort-default"}
+PEER_GROUPS = {"inprocess": INPROCESS_PEERS, "http": HTTP_PEERS}
 
 
 # --- one step: the pass rule ------------------------------------------------------------------------------
@@ -327,6 +331,253 @@ class PeerServer:
                 self.proc.wait()
 
 
+# --- the peers over HTTP: the server a user would write in front of each runtime --------------------------
+
+def parse_binary_request(body: bytes, header_length: int) -> tuple[dict[str, np.ndarray], list[str]]:
+    """A v2 infer request with binary inputs: (inputs by name, the output names asked for; empty: all)."""
+    from reamer.serve.tensors import v2_to_numpy
+
+    head = json.loads(body[:header_length])
+    declared = sum(int(spec["parameters"]["binary_data_size"]) for spec in head["inputs"])
+    if header_length + declared != len(body):
+        raise ValueError(f"the request's binary part holds {len(body) - header_length} bytes, its header names "
+                         f"{declared}")
+    inputs, at = {}, header_length
+    for spec in head["inputs"]:
+        size = int(spec["parameters"]["binary_data_size"])
+        dtype = v2_to_numpy(spec["datatype"])
+        inputs[spec["name"]] = np.frombuffer(body, dtype, size // dtype.itemsize, at).reshape(spec["shape"])
+        at += size
+    return inputs, [o["name"] for o in head.get("outputs", [])]
+
+
+def parse_binary_response(body: bytes, header_length: int) -> dict[str, np.ndarray]:
+    """The outputs of a v2 infer response with binary outputs (what the HTTP peers answer)."""
+    from reamer.serve.tensors import v2_to_numpy
+
+    head = json.loads(body[:header_length])
+    out, at = {}, header_length
+    for spec in head["outputs"]:
+        size = int(spec["parameters"]["binary_data_size"])
+        dtype = v2_to_numpy(spec["datatype"])
+        out[spec["name"]] = np.frombuffer(body, dtype, size // dtype.itemsize, at).reshape(spec["shape"])
+        at += size
+    return out
+
+
+def _http_runtime(doc: dict, feeds: dict[str, np.ndarray]):
+    """(run, closed_loop, info, output names) for a peer served over HTTP: `run(inputs)` is awaited on the
+    server's event loop and returns the outputs by name."""
+    import concurrent.futures
+
+    if doc["kind"] == "ov-throughput-f32":
+        import openvino as ov
+        import openvino.properties.hint as hints
+
+        core = ov.Core()
+        model = core.read_model(doc["model"])
+        model.reshape({p.get_any_name(): ov.PartialShape(list(feeds[p.get_any_name()].shape)) for p in model.inputs})
+        compiled = core.compile_model(model, "CPU", {hints.performance_mode(): hints.PerformanceMode.THROUGHPUT,
+                                                     hints.inference_precision(): ov.Type.f32})
+        nireq = int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
+        queue = ov.AsyncInferQueue(compiled, nireq)
+        in_names = [p.get_any_name() for p in model.inputs]
+        import onnx
+
+        graph_outputs = {o.name for o in onnx.load(doc["model"], load_external_data=False).graph.output}
+        # the ONNX output names, as the client asks for them (OpenVINO may list another of a tensor's names first)
+        out_names = [next((n for n in sorted(o.get_names()) if n in graph_outputs), o.get_any_name())
+                     for o in compiled.outputs]
+        info = {"streams": int(compiled.get_property("NUM_STREAMS")), "requests": nireq,
+                "threads": int(compiled.get_property("INFERENCE_NUM_THREADS")),
+                "precision": str(compiled.get_property("INFERENCE_PRECISION_HINT"))}
+        free: list[asyncio.Semaphore] = []  # made on the server's loop
+
+        def finished(request, userdata) -> None:  # an OpenVINO thread: copy out, hand over to the loop
+            loop, future = userdata
+            outs = {n: request.get_output_tensor(i).data.copy() for i, n in enumerate(out_names)}
+            loop.call_soon_threadsafe(_settle, future, outs)
+
+        def _settle(future: asyncio.Future, outs: dict) -> None:
+            free[0].release()
+            if not future.done():
+                future.set_result(outs)
+
+        queue.set_callback(finished)
+
+        async def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            if not free:
+                free.append(asyncio.Semaphore(nireq))
+            await free[0].acquire()  # requests wait in arrival order for a free infer request
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            queue.start_async([inputs[n] for n in in_names], (loop, future))
+            return await future
+
+        def closed_loop(seconds: float) -> float:
+            n, start = 0, time.perf_counter()
+            arrays = [feeds[n] for n in in_names]
+            queue.set_callback(lambda request, userdata: None)
+            while time.perf_counter() - start < seconds:
+                queue.start_async(arrays)
+                n += 1
+            queue.wait_all()
+            queue.set_callback(finished)
+            return n / (time.perf_counter() - start)
+    elif doc["kind"] == "ort-default":
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(doc["model"], providers=["CPUExecutionProvider"])  # its defaults
+        out_names = [o.name for o in session.get_outputs()]
+        info = {"threads": session.get_session_options().intra_op_num_threads or len(doc["cpus"])}
+        worker = concurrent.futures.ThreadPoolExecutor(1)  # one at a time, in arrival order
+
+        async def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            outs = await asyncio.get_running_loop().run_in_executor(worker, session.run, out_names, inputs)
+            return dict(zip(out_names, outs))
+
+        def closed_loop(seconds: float) -> float:
+            n, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds or n == 0:
+                session.run(out_names, feeds)
+                n += 1
+            return n / (time.perf_counter() - start)
+    else:
+        raise SystemExit(f"unknown peer {doc['kind']}")
+    return run, closed_loop, info, out_names
+
+
+def http_peer_main(doc: dict) -> None:
+    """A peer behind the server a user would write: uvicorn (uvloop, httptools, one worker) and Starlette with
+    one route, POST /v2/models/m/infer, binary tensors both ways. Prints its port and info, serves until
+    terminated."""
+    os.sched_setaffinity(0, doc["cpus"])
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from reamer.serve.tensors import numpy_to_v2
+    from reamer.serve.v2wire import HEADER_LENGTH, binary_body
+
+    feeds = _feeds(doc["model"])
+    run, closed_loop, info, out_names = _http_runtime(doc, feeds)
+    closed_loop(doc["warmup_s"])
+    info["closed_loop_rps"] = closed_loop(doc["warmup_s"])  # in-process, where the rate search starts
+
+    async def infer(request: Request) -> Response:
+        body = await request.body()
+        try:
+            inputs, wanted = parse_binary_request(body, int(request.headers[HEADER_LENGTH]))
+        except (KeyError, ValueError, TypeError) as exc:
+            return Response(f"bad request: {exc}", status_code=400)
+        outs = await run(inputs)
+        head, blobs = binary_body("m", None, [(n, numpy_to_v2(outs[n].dtype), outs[n]) for n in wanted or out_names])
+        return Response(head + b"".join(blobs), media_type="application/octet-stream",
+                        headers={HEADER_LENGTH: str(len(head))})
+
+    app = Starlette(routes=[Route("/v2/models/m/infer", infer, methods=["POST"])])
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    info |= {"port": sock.getsockname()[1], "server": f"uvicorn {uvicorn.__version__} (uvloop, httptools, 1 worker) "
+                                                       f"+ Starlette"}
+    print(json.dumps(info), flush=True)
+    config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level="warning", access_log=False,
+                            lifespan="off", backlog=1024)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def lean_step(port: int, request: bytes, rate: float, duration: float, seed: int, give_up_s: float) -> Step:
+    """One open-loop step through the lean client, its cpu per request as the step's cpu_ms."""
+    cpu0 = time.process_time()
+    times = _schedule(rate, duration, seed)
+    start = time.perf_counter() + 0.01
+    latency, status, details = asyncio.run(lean_open_loop(port, request, times, start, give_up_s))
+    n = max(len(times), 1)
+    return step_from(rate, duration, times, latency, status, time.perf_counter() - start,
+                     (time.process_time() - cpu0) * 1e3 / n, "; ".join(sorted(set(details))[:2]))
+
+
+def raw_request(port: int, body: bytes, headers: dict[str, str], path: str = "/v2/models/m/infer") -> bytes:
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{head}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+class HttpPeerServer:
+    """A peer served over HTTP in a process of its own, driven by the same lean client as reamer's job."""
+
+    def __init__(self, kind: str, model: str, cpus: list[int], warmup_s: float,
+                 inputs: dict[str, np.ndarray], reference: dict[str, np.ndarray] | None = None) -> None:
+        import httpx
+
+        from reamer.serve.v2wire import HEADER_LENGTH
+
+        doc = {"kind": kind, "model": model, "cpus": cpus, "warmup_s": warmup_s}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--http-peer", json.dumps(doc)],
+                                     cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{kind} HTTP peer did not start (exit {self.proc.wait()})")
+        self.info = json.loads(line)
+        self.port = self.info["port"]
+        names = list(reference) if reference else []
+        body, headers = binary_request(inputs, names)
+        self.request = raw_request(self.port, body, headers)
+        deadline = time.monotonic() + 60
+        while True:  # the socket listens before uvicorn serves: the first answer says it is up, and what it says
+            try:
+                got = httpx.post(f"http://127.0.0.1:{self.port}/v2/models/m/infer", content=body, headers=headers,
+                                 timeout=60)
+                break
+            except httpx.TransportError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise
+                time.sleep(0.1)
+        if got.status_code != 200:
+            self.close()
+            raise RuntimeError(f"{kind} HTTP peer answered {got.status_code}: {got.text[:100]}")
+        if reference:
+            outs = parse_binary_response(got.content, int(got.headers[HEADER_LENGTH]))
+            self.info["check"] = answer_check(outs, reference)
+
+    def step(self, rate: float, duration: float, seed: int, give_up_s: float) -> Step:
+        return lean_step(self.port, self.request, rate, duration, seed, give_up_s)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def answer_check(got: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> dict[str, Any]:
+    """How far an HTTP peer's answer lies from the in-process ONNX Runtime output for the same request."""
+    missing = sorted(set(reference) - set(got))
+    diffs = [float(np.max(np.abs(got[n].astype(np.float64) - reference[n].astype(np.float64))))
+             if got[n].shape == reference[n].shape else math.inf for n in reference if n in got]
+    scale = max((float(np.max(np.abs(a))) for a in reference.values() if a.size), default=0.0)
+    worst = max(diffs, default=math.inf if missing else 0.0)
+    return {"outputs": len(reference), "missing": missing, "max_abs_diff": worst,
+            "max_rel_diff": worst / scale if scale > 0 else worst, "reference": "ONNX Runtime in-process"}
+
+
+def reference_outputs(model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The in-process ONNX Runtime default session's answer to the sample request (the HTTP peers' check)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, inputs)))
+
+
 # --- reamer: the search with the SLO, a real online job, its REST front door --------------------------------
 
 def instances_of(layout, cpus: list[int]) -> list:
@@ -447,7 +698,7 @@ class ReamerJob:
     def step(self, rate: float, duration: float, seed: int, give_up_s: float) -> Step:
         cpu0 = time.process_time()
         if self.client == "lean":
-            return self._lean_step(rate, duration, seed, give_up_s, cpu0)
+            return lean_step(self.port, self.request, rate, duration, seed, give_up_s)
         from reamer.serve.loadgen import run_load
 
         got = run_load(self.url, self.body, rate, duration, seed=seed, timeout_s=give_up_s, headers=self.headers)
@@ -457,13 +708,6 @@ class ReamerJob:
                          [r.status for r in got.records], got.wall_s, (time.process_time() - cpu0) * 1e3 / n,
                          "; ".join(details[:2]))
 
-    def _lean_step(self, rate: float, duration: float, seed: int, give_up_s: float, cpu0: float) -> Step:
-        times = _schedule(rate, duration, seed)
-        start = time.perf_counter() + 0.01
-        latency, status, details = asyncio.run(lean_open_loop(self.port, self.request, times, start, give_up_s))
-        n = max(len(times), 1)
-        return step_from(rate, duration, times, latency, status, time.perf_counter() - start,
-                         (time.process_time() - cpu0) * 1e3 / n, "; ".join(sorted(set(details))[:2]))
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -543,17 +787,21 @@ def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespa
         print(text, flush=True)
 
     row: dict[str, Any] = {"model": name, "file": os.path.basename(model), "cpus": cpus, "load_before": loadavg(),
-                           "order": order, "results": {c: {} for c in CONTENDERS}, "info": {}}
+                           "order": order, "results": {c: {} for c in order}, "info": {}}
     inputs = _feeds(model)
+    reference = reference_outputs(model, inputs) if any(c in HTTP_PEERS for c in order) else None
     cache = work / "profiles"
     for contender in order:
         log(f"  {contender}")
         if contender in PEER_KINDS:
             try:
-                server = PeerServer(PEER_KINDS[contender], model, cpus, args.warmup)
+                server = (HttpPeerServer(PEER_KINDS[contender], model, cpus, args.warmup, inputs, reference)
+                          if contender in HTTP_PEERS else PeerServer(PEER_KINDS[contender], model, cpus, args.warmup))
             except Exception as exc:  # noqa: BLE001 - a runtime refusing the model is a figure too
                 row["info"][contender] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
                 continue
+            if "check" in server.info:
+                log(f"    answer vs ONNX Runtime in-process: max abs diff {server.info['check']['max_abs_diff']:.3g}")
             try:
                 row["info"][contender] = server.info
                 row["results"][contender] = _searches(server, server.info["closed_loop_rps"], args, SLOS_MS, log)
@@ -566,17 +814,27 @@ def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespa
             except Exception as exc:  # noqa: BLE001 - the other SLO and the peers' figures still count
                 row["info"][f"reamer {slo:g}"] = {**row["info"].get(f"reamer {slo:g}", {}),
                                                   "error": f"{type(exc).__name__}: {exc}"[:200]}
-    row["ratio"] = {}
-    for slo in SLOS_MS:
-        key = f"{slo:g}"
-        rates = {c: row["results"][c].get(key, {}).get("rate_rps") for c in CONTENDERS}
-        peers = {c: r for c, r in rates.items() if c != "reamer" and r is not None}
-        best = max(peers, key=peers.get) if peers else None
-        mine = rates.get("reamer")
-        row["ratio"][key] = {"best_peer": best, "ratio": (mine / peers[best] if best and peers[best] > 0 and
-                                                          mine is not None else None)}
+    row["ratio"] = ratios(row["results"])
     row["load_after"] = loadavg()
     return row
+
+
+def ratios(results: dict[str, dict]) -> dict[str, dict[str, Any]]:
+    """Per SLO: reamer / the best in-process peer (best_peer, ratio) and reamer / the best peer over HTTP
+    (best_http_peer, ratio_http); None where reamer or that kind of peer has no figure."""
+    out = {}
+    for slo in SLOS_MS:
+        key = f"{slo:g}"
+        rates = {c: results.get(c, {}).get(key, {}).get("rate_rps") for c in CONTENDERS}
+        mine = rates.get("reamer")
+        doc: dict[str, Any] = {}
+        for group, suffix in ((INPROCESS_PEERS, ""), (HTTP_PEERS, "_http")):
+            peers = {c: rates[c] for c in group if rates[c] is not None}
+            best = max(peers, key=peers.get) if peers else None
+            doc[f"best{suffix and '_http'}_peer"] = best
+            doc[f"ratio{suffix}"] = mine / peers[best] if best and peers[best] > 0 and mine is not None else None
+        out[key] = doc
+    return out
 
 
 # --- output -------------------------------------------------------------------------------------------------
@@ -594,6 +852,10 @@ def _cell(result: dict) -> str:
 
 def render(data: dict) -> str:
     m = data["machine"]
+    contenders = data.get("contenders") or ["reamer", *INPROCESS_PEERS]  # runs before the HTTP peers: these three
+    peers = [c for c in contenders if c != "reamer"]
+    http = [c for c in peers if c in HTTP_PEERS]
+    inproc = [c for c in peers if c in INPROCESS_PEERS]
     lines = [
         f"Command: `{data['command']}` · machine: {m['cpu_model']}, {m['cpus']} cpus, all of them given to every "
         f"contender ({data['cpus']}) · load average (1 min) {data['load_start'][0]} at the start, "
@@ -606,38 +868,58 @@ def render(data: dict) -> str:
         "p99 ≤ the SLO and no growing queue (the last quarter's median latency at most SLO/4 above the first "
         "half's); p99 in ms at that rate. reamer = the layout its search picks for the SLO (both backends, the "
         "agent's deploy settings), served as a real online job and driven through its REST front door (binary "
-        f"tensors, the {data.get('client', 'lean')} client on the same cpus, its cpu per request in the JSON); "
-        "the peers are "
-        "driven in-process with no HTTP, no decoding and no client beside them, which favours them. OpenVINO "
-        "THROUGHPUT = one process, its own streams, OPTIMAL_NUMBER_OF_INFER_REQUESTS async requests, f32 "
-        "(reamer's numerics); ORT default = InferenceSession with no options, one request at a time in arrival "
-        "order.",
-        "",
-        "| model | SLO ms | reamer layout | reamer /s (p99) | OpenVINO THROUGHPUT f32 /s (p99) | ORT default /s "
-        "(p99) | reamer / best peer | load |",
-        "|---|---|---|---|---|---|---|---|",
+        f"tensors, the {data.get('client', 'lean')} client on the same cpus, its cpu per request in the JSON).",
     ]
+    if inproc:
+        lines[-1] += (" In-process peers are driven with no HTTP, no decoding and no client beside them, which "
+                      "favours them: an upper bound.")
+    if http:
+        lines[-1] += (" Peers over HTTP: each runtime behind the server a user would write (uvicorn with uvloop "
+                      "and httptools, one worker, Starlette, one POST /v2/models/m/infer route parsing the same "
+                      "binary request and answering binary outputs), in a process of its own on the same cpus, "
+                      "driven by the same client with the same request and arrivals as reamer.")
+    lines[-1] += (" OpenVINO THROUGHPUT = its own streams, OPTIMAL_NUMBER_OF_INFER_REQUESTS async requests of "
+                  "batch 1, f32 (reamer's numerics), requests waiting in arrival order for a free one; ORT default "
+                  "= InferenceSession with no options, one request at a time in arrival order (over HTTP: in one "
+                  "worker thread).")
+    ratio_cols = [("ratio", "best_peer", "reamer / best in-process peer")] if inproc else []
+    ratio_cols += [("ratio_http", "best_http_peer", "reamer / best peer over HTTP")] if http else []
+    head = ["model", "SLO ms"] + (["reamer layout", "reamer /s (p99)"] if "reamer" in contenders else []) + \
+        [f"{c} /s (p99)" for c in peers] + [title for _, _, title in ratio_cols] + ["load"]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in data["rows"]:
         if "error" in r:
-            lines.append(f"| {r['model']} | | {r['error']} | | | | | |")
+            lines.append(f"| {r['model']} | | {r['error']} |" + " |" * (len(head) - 3))
             continue
         for slo in SLOS_MS:
             key = f"{slo:g}"
-            pick = r["info"].get(f"reamer {key}", {})
-            layout = pick.get("layout") or pick.get("error", "-")
+            cells = [r["model"], key]
+            if "reamer" in contenders:
+                pick = r["info"].get(f"reamer {key}", {})
+                cells += [pick.get("layout") or pick.get("error", "-"), _cell(r["results"]["reamer"].get(key, {}))]
+            for c in peers:
+                info = r["info"].get(c, {})
+                cells.append(f"refused: {info['error'][:60]}" if "error" in info else
+                             _cell(r["results"].get(c, {}).get(key, {})))
             ratio = r["ratio"][key]
-            rtext = f"{ratio['ratio']:.2f}× ({ratio['best_peer']})" if ratio.get("ratio") is not None else "-"
-            ov_info = r["info"].get("OpenVINO THROUGHPUT f32", {})
-            ov = _cell(r["results"]["OpenVINO THROUGHPUT f32"].get(key, {})) if "error" not in ov_info else \
-                f"refused: {ov_info['error'][:60]}"
-            lines.append(f"| {r['model']} | {key} | {layout} | {_cell(r['results']['reamer'].get(key, {}))} | {ov} | "
-                         f"{_cell(r['results']['ORT default'].get(key, {}))} | {rtext} | "
-                         f"{r['load_before'][0]}→{r['load_after'][0]} |")
-    met = [r["ratio"][f"{s:g}"]["ratio"] for r in data["rows"] if "ratio" in r for s in SLOS_MS]
-    met = [x for x in met if x is not None]
-    lines += ["", f"Target reamer / best peer ≥ 1.0: met in {sum(x >= 1.0 for x in met)} of {len(met)} "
-                  f"(model, SLO) rows; within one search step's precision (≥ {1 - data['precision']:.2f}) in "
-                  f"{sum(x >= 1 - data['precision'] for x in met)}."]
+            for value, best, _ in ratio_cols:
+                cells.append(f"{ratio[value]:.2f}× ({ratio[best]})" if ratio.get(value) is not None else "-")
+            cells.append(f"{r['load_before'][0]}→{r['load_after'][0]}")
+            lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    for value, _, title in ratio_cols if "reamer" in contenders else []:
+        met = [r["ratio"][f"{s:g}"].get(value) for r in data["rows"] if "ratio" in r for s in SLOS_MS]
+        met = [x for x in met if x is not None]
+        lines += ["", f"Target {title} ≥ 1.0: met in {sum(x >= 1.0 for x in met)} of {len(met)} (model, SLO) rows; "
+                      f"within one search step's precision (≥ {1 - data['precision']:.2f}) in "
+                      f"{sum(x >= 1 - data['precision'] for x in met)}."]
+    checks = {f"{r['model']} {c}": r["info"][c]["check"] for r in data["rows"] if "info" in r for c in http
+              if "check" in r["info"].get(c, {})}
+    if checks:
+        worst = max(checks.values(), key=lambda c: c["max_rel_diff"])
+        lines += ["", f"The HTTP peers' answers to the sample request against ONNX Runtime in-process: "
+                      f"{len(checks)} checked, largest difference {worst['max_abs_diff']:.2g} "
+                      f"({worst['max_rel_diff']:.2g} of the largest output value)"
+                      f"{', outputs missing' if any(c['missing'] for c in checks.values()) else ''}."]
     return "\n".join(lines)
 
 
@@ -652,6 +934,18 @@ def write_section(path: str, text: str) -> None:
                    len(lines))
         Path(path).write_text("".join(lines[:end]).rstrip("\n") + f"\n\n{SECTION}\n\n" + "".join(lines[end:]))
     replace_section(path, SECTION, text, parent=PARENT)
+
+
+def select_contenders(peers: str, reamer: bool = True) -> list[str]:
+    """The contenders of a run, in CONTENDERS' order, from `--peers` (comma-separated groups)."""
+    groups = [g.strip() for g in peers.split(",") if g.strip()]
+    unknown = [g for g in groups if g not in PEER_GROUPS]
+    if unknown:
+        raise SystemExit(f"--peers: unknown group {', '.join(unknown)}; use inprocess, http or inprocess,http")
+    chosen = {c for g in groups for c in PEER_GROUPS[g]} | ({"reamer"} if reamer else set())
+    if not chosen:
+        raise SystemExit("nothing to run: give --peers a group, or drop --no-reamer")
+    return [c for c in CONTENDERS if c in chosen]
 
 
 def resolve_model(name: str, model_dir: Path) -> str:
@@ -672,6 +966,12 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog=__doc__[__doc__.index("    # the full run"):],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--http-peer", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--peers", default="inprocess,http",
+                   help="which peers run beside reamer: inprocess (the runtimes driven in-process, an upper bound), "
+                        "http (each behind a uvicorn + Starlette server, driven by reamer's client), or both "
+                        "(default inprocess,http)")
+    p.add_argument("--no-reamer", action="store_true", help="run the peers only")
     p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated (default {DEFAULT_MODELS}; also tiny)")
     p.add_argument("--cpus", default=None, help="cpu list, e.g. 0,1 (default: every cpu this process may use)")
     p.add_argument("--step", type=float, default=4.0, help="seconds of arrivals per rate step (default 4)")
@@ -700,6 +1000,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer:
         peer_main(json.loads(args.peer))
         return 0
+    if args.http_peer:
+        http_peer_main(json.loads(args.http_peer))
+        return 0
     if args.render:
         text = render(json.loads(Path(args.render).read_text()))
         if args.notes:  # what the run's own JSON shows about the misses, written by whoever read it
@@ -717,19 +1020,22 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, key) == p.get_default(key):
                 setattr(args, key, value)
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
+    contenders = select_contenders(args.peers, not args.no_reamer)
     names = [m for m in args.models.split(",") if m]
     command = "python bench/online_peers.py " + " ".join(sys.argv[1:] if argv is None else argv)
     data: dict[str, Any] = {"command": command,
                             "machine": machine_info(), "cpus": cpus, "step_s": args.step,
                             "min_requests": args.min_requests,
                             "max_step_s": args.max_step, "seed": args.seed,
-                            "precision": args.precision, "client": args.client, "load_start": loadavg(),
+                            "precision": args.precision, "client": args.client, "contenders": contenders,
+                            "load_start": loadavg(),
                             "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "rows": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="online-peers-") as tmp:
         for index, name in enumerate(names):
-            order = list(CONTENDERS[index % 3:] + CONTENDERS[:index % 3])  # rotated: drift hits all alike
+            k = index % len(contenders)
+            order = contenders[k:] + contenders[:k]  # rotated: drift hits all alike
             print(f"== {name} (load {loadavg()})", flush=True)
             try:
                 row = compare_model(name, resolve_model(name, Path(args.model_dir)), cpus, args, order,

@@ -14,7 +14,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from online_peers import SECTION, Step, bracket, search_rate, step_from, write_section  # noqa: E402
+import numpy as np  # noqa: E402
+
+from online_peers import (HTTP_PEERS, INPROCESS_PEERS, SECTION, Step, answer_check, binary_request,  # noqa: E402
+                          bracket, parse_binary_request, parse_binary_response, ratios, render, search_rate,
+                          select_contenders, step_from, write_section)
 
 
 class SimulatedServer:
@@ -108,6 +112,93 @@ def test_the_section_lands_right_after_the_offline_table_and_is_replaced_in_plac
     assert text.index("offline table") < text.index(SECTION) < text.index("second") < text.index("MLServer")
 
 
+def test_the_http_peers_parse_the_request_reamers_client_sends():
+    inputs = {"x": np.arange(12, dtype=np.float32).reshape(1, 3, 4), "ids": np.array([[7, -1]], dtype=np.int64)}
+    body, headers = binary_request(inputs, ["y"])
+    got, wanted = parse_binary_request(body, int(headers["Inference-Header-Content-Length"]))
+    assert wanted == ["y"] and list(got) == ["x", "ids"]
+    for name, array in inputs.items():
+        assert got[name].dtype == array.dtype and np.array_equal(got[name], array)
+    with pytest.raises(ValueError, match="binary part"):  # a truncated body is refused, not read short
+        parse_binary_request(body[:-4], int(headers["Inference-Header-Content-Length"]))
+
+
+def test_a_binary_response_reads_back_and_the_check_catches_a_wrong_answer():
+    from reamer.serve.v2wire import binary_body
+
+    ref = {"y": np.array([[1.0, -2.0, 4.0]], dtype=np.float32), "z": np.array([3], dtype=np.int64)}
+    head, blobs = binary_body("m", None, [("y", "FP32", ref["y"]), ("z", "INT64", ref["z"])])
+    got = parse_binary_response(head + b"".join(blobs), len(head))
+    assert answer_check(got, ref)["max_abs_diff"] == 0 and not answer_check(got, ref)["missing"]
+    off = {"y": ref["y"] + np.float32(0.5), "z": ref["z"]}
+    assert answer_check(off, ref)["max_abs_diff"] == pytest.approx(0.5)
+    assert answer_check(off, ref)["max_rel_diff"] == pytest.approx(0.5 / 4.0)
+    assert answer_check({"y": ref["y"]}, ref)["missing"] == ["z"]
+    assert answer_check({"y": ref["y"][0], "z": ref["z"]}, ref)["max_abs_diff"] == math.inf  # wrong shape
+
+
+def test_peers_select_the_contenders_and_a_wrong_group_is_named():
+    assert select_contenders("inprocess,http") == ["reamer", *INPROCESS_PEERS, *HTTP_PEERS]
+    assert select_contenders("http") == ["reamer", *HTTP_PEERS]
+    assert select_contenders("http", reamer=False) == list(HTTP_PEERS)
+    with pytest.raises(SystemExit, match="unknown group grpc"):
+        select_contenders("http,grpc")
+
+
+def _result(rate):
+    return {"rate_rps": rate, "p99_ms": 50.0, "steps": []}
+
+
+def test_two_ratios_one_against_each_kind_of_peer():
+    results = {"reamer": {"1000": _result(30.0), "200": _result(10.0)},
+               "OpenVINO THROUGHPUT f32": {"1000": _result(60.0), "200": _result(40.0)},
+               "ORT default": {"1000": _result(50.0), "200": _result(50.0)},
+               "OpenVINO THROUGHPUT f32 over HTTP": {"1000": _result(20.0), "200": _result(0.0)},
+               "ORT default over HTTP": {"1000": _result(25.0), "200": _result(8.0)}}
+    got = ratios(results)
+    assert got["1000"] == {"best_peer": "OpenVINO THROUGHPUT f32", "ratio": 0.5,
+                           "best_http_peer": "ORT default over HTTP", "ratio_http": 1.2}
+    assert got["200"]["best_peer"] == "ORT default" and got["200"]["ratio"] == pytest.approx(0.2)
+    assert got["200"]["best_http_peer"] == "ORT default over HTTP" and got["200"]["ratio_http"] == 1.25
+    only_http = ratios({k: v for k, v in results.items() if k not in INPROCESS_PEERS})
+    assert only_http["1000"]["ratio"] is None and only_http["1000"]["ratio_http"] == 1.2
+
+
+def _run(contenders, results, info=None):
+    row = {"model": "m", "load_before": [1.0], "load_after": [1.5], "results": results, "info": info or {},
+           "ratio": ratios(results)}
+    return {"command": "c", "machine": {"cpu_model": "cpu", "cpus": 2}, "cpus": [0, 1], "load_start": [1.0],
+            "load_end": [1.5], "started": "s", "ended": "e", "step_s": 4.0, "min_requests": 30, "max_step_s": 20.0,
+            "seed": 0, "precision": 0.08, "client": "lean", "contenders": contenders, "rows": [row]}
+
+
+def test_the_table_shows_the_http_peers_and_both_ratios():
+    contenders = select_contenders("inprocess,http")
+    results = {"reamer": {"1000": _result(30.0), "200": _result(10.0)},
+               **{c: {"1000": _result(60.0), "200": _result(40.0)} for c in INPROCESS_PEERS},
+               **{c: {"1000": _result(20.0), "200": _result(8.0)} for c in HTTP_PEERS}}
+    check = {"max_abs_diff": 2e-6, "max_rel_diff": 1e-7, "missing": []}
+    text = render(_run(contenders, results, {c: {"check": check} for c in HTTP_PEERS}))
+    header = next(line for line in text.splitlines() if line.startswith("| model"))
+    for title in [*HTTP_PEERS, *INPROCESS_PEERS, "reamer / best in-process peer", "reamer / best peer over HTTP"]:
+        assert title in header
+    row = next(line for line in text.splitlines() if line.startswith("| m | 1000"))
+    assert "0.50× (OpenVINO THROUGHPUT f32)" in row and "1.50× (OpenVINO THROUGHPUT f32 over HTTP)" in row
+    assert len(row.split("|")) == len(header.split("|"))
+    assert "reamer / best peer over HTTP ≥ 1.0: met in 2 of 2" in text
+    assert "reamer / best in-process peer ≥ 1.0: met in 0 of 2" in text
+    assert "2 checked, largest difference 2e-06" in text
+    http_only = render(_run(select_contenders("http"), {c: results[c] for c in ["reamer", *HTTP_PEERS]}))
+    assert "best in-process" not in http_only and "OpenVINO THROUGHPUT f32 /s" not in http_only
+
+
+def test_a_run_from_before_the_http_peers_renders_as_it_did():
+    data = _run(None, {c: {"1000": _result(30.0), "200": _result(10.0)} for c in ["reamer", *INPROCESS_PEERS]})
+    del data["contenders"]
+    header = next(line for line in render(data).splitlines() if line.startswith("| model"))
+    assert "over HTTP" not in header and "reamer / best in-process peer" in header
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the bench gives every contender two cpus")
 def test_quick_run_on_the_tiny_model(tmp_path):
@@ -128,4 +219,10 @@ def test_quick_run_on_the_tiny_model(tmp_path):
     # reamer's requests went through its front door and came back answered (binary tensors accepted)
     reamer_steps = [s for r in row["results"]["reamer"].values() for s in r["steps"]]
     assert any(s["ok"] > 0 for s in reamer_steps)
-    assert math.isfinite(row["ratio"]["1000"]["ratio"])
+    assert math.isfinite(row["ratio"]["1000"]["ratio"]) and math.isfinite(row["ratio"]["1000"]["ratio_http"])
+    # the peers over HTTP answered the sample request with the in-process output's numbers, and then the load
+    assert set(row["results"]) == {"reamer", *INPROCESS_PEERS, *HTTP_PEERS}
+    for peer in HTTP_PEERS:
+        check = row["info"][peer]["check"]
+        assert not check["missing"] and check["max_rel_diff"] < 1e-4, (peer, check)
+        assert any(s["ok"] > 0 for r in row["results"][peer].values() for s in r["steps"]), peer
