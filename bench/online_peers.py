@@ -14,7 +14,13 @@ Contenders, each given every cpu of the run (`--cpus`):
 - ONNX Runtime's default session (no options: all cores, spinning): requests served one at a time in arrival
   order, in-process.
 
-The peers run in-process, with no HTTP, no request decoding and no client on the machine: that favours them.
+These peers run in-process, with no HTTP, no request decoding and no client on the machine: that favours them,
+they are an upper bound. So each also runs over HTTP ("... over HTTP", `--peers http`): behind the server a user
+would write (uvicorn with uvloop and httptools, one worker, Starlette, one POST /v2/models/m/infer route that
+parses the Triton binary-tensor request and answers binary outputs; OpenVINO's AsyncInferQueue answering when its
+callback fires, ONNX Runtime's session in one worker thread), in a process of its own on the same cpus, driven by
+reamer's client with the same request and arrivals. Its first answer is checked against ONNX Runtime in-process
+(info.check in the JSON). Two ratios per SLO: reamer / the best in-process peer, reamer / the best HTTP peer.
 Every contender sees the same Poisson arrivals (reamer.serve.loadgen.poisson_schedule, seed `--seed`, the same
 pattern stretched to each rate) and the same sample request. A rate passes when every request is answered
 (no shed, no error), p99 <= SLO, and the server keeps up with the offered rate (the median latency of the last
@@ -28,6 +34,7 @@ peer starts from the bracket its 1 s search left (same server, same steps), ream
     # one model while developing:
     .venv/bin/python bench/online_peers.py --models mobilenet_v2 --quick --out /tmp/online
     .venv/bin/python bench/online_peers.py --quick --models tiny --out /tmp/online      # smoke run, ~1 min
+    .venv/bin/python bench/online_peers.py --peers http --models mobilenet_v2             # reamer and HTTP peers
     .venv/bin/python bench/online_peers.py --render bench/results/online_peers/online_peers.json \\
         --results-md bench/RESULTS.md                                                    # re-render a run
 """
