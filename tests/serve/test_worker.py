@@ -113,3 +113,14 @@ def test_cpus_that_do_not_exist_fail_start_naming_them(tiny):
     with pytest.raises(WorkerStartError, match="cannot place the worker \\(cpus \\[4095\\]"):
         w.start()
     w.stop()
+
+
+def test_one_stalled_batch_does_not_swing_the_shed_estimate_but_a_lasting_slowdown_does(tiny, tmp_path):
+    w = InstanceWorker(0, InstanceSpec(cpus=[CPU], threads=1, max_batch=4, sched="idle"), tiny, run_dir=str(tmp_path))
+    for _ in range(10):
+        w.note_batch(0.010, 1)
+    w.note_batch(2.0, 1)  # one batch stalled by a noisy neighbour
+    assert w.latency_ewma_s < 0.020
+    for _ in range(10):  # the instance really became slower
+        w.note_batch(0.200, 1)
+    assert w.latency_ewma_s > 0.150
