@@ -214,21 +214,27 @@ def _schedule(rate: float, duration: float, seed: int) -> list[float]:
     return poisson_schedule(rate, duration, np.random.default_rng(seed))
 
 
+def _ov_throughput(model_path: str, feeds: dict[str, np.ndarray]):
+    """OpenVINO's THROUGHPUT hint at f32 on the request shapes: (model, compiled, its optimal request count,
+    an AsyncInferQueue of that many requests)."""
+    import openvino as ov
+    import openvino.properties.hint as hints
+
+    core = ov.Core()
+    model = core.read_model(model_path)
+    model.reshape({p.get_any_name(): ov.PartialShape(list(feeds[p.get_any_name()].shape)) for p in model.inputs})
+    compiled = core.compile_model(model, "CPU", {hints.performance_mode(): hints.PerformanceMode.THROUGHPUT,
+                                                 hints.inference_precision(): ov.Type.f32})
+    nireq = int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
+    return model, compiled, nireq, ov.AsyncInferQueue(compiled, nireq)
+
+
 def peer_main(doc: dict) -> None:
     """The peer process: set up, report closed-loop throughput, then answer one step per stdin line."""
     os.sched_setaffinity(0, doc["cpus"])  # before the runtime starts its threads
     feeds = _feeds(doc["model"])
     if doc["kind"] == "ov-throughput-f32":
-        import openvino as ov
-        import openvino.properties.hint as hints
-
-        core = ov.Core()
-        model = core.read_model(doc["model"])
-        model.reshape({p.get_any_name(): ov.PartialShape(list(feeds[p.get_any_name()].shape)) for p in model.inputs})
-        compiled = core.compile_model(model, "CPU", {hints.performance_mode(): hints.PerformanceMode.THROUGHPUT,
-                                                     hints.inference_precision(): ov.Type.f32})
-        nireq = int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
-        queue = ov.AsyncInferQueue(compiled, nireq)
+        model, compiled, nireq, queue = _ov_throughput(doc["model"], feeds)
         arrays = [feeds[p.get_any_name()] for p in model.inputs]
         done_at: list[float] = []
         queue.set_callback(lambda request, i: done_at.__setitem__(i, time.perf_counter()))
@@ -378,16 +384,7 @@ def _http_runtime(doc: dict, feeds: dict[str, np.ndarray]):
     import concurrent.futures
 
     if doc["kind"] == "ov-throughput-f32":
-        import openvino as ov
-        import openvino.properties.hint as hints
-
-        core = ov.Core()
-        model = core.read_model(doc["model"])
-        model.reshape({p.get_any_name(): ov.PartialShape(list(feeds[p.get_any_name()].shape)) for p in model.inputs})
-        compiled = core.compile_model(model, "CPU", {hints.performance_mode(): hints.PerformanceMode.THROUGHPUT,
-                                                     hints.inference_precision(): ov.Type.f32})
-        nireq = int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
-        queue = ov.AsyncInferQueue(compiled, nireq)
+        model, compiled, nireq, queue = _ov_throughput(doc["model"], feeds)
         in_names = [p.get_any_name() for p in model.inputs]
         import onnx
 

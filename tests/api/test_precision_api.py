@@ -12,21 +12,13 @@ from click.testing import CliRunner
 
 from reamer.api.client import ApiError
 from reamer.cli.main import cli
-from tests.acceptance.exported_models import SPECS, BuildUnavailable, ensure_models
+from tests.acceptance.exported_models import SPECS
 from tests.agent.conftest import needs_rt_host
 from tests.conftest import wait_for
-from tests.serve.test_precision import HAS_BF16, reference
+from tests.serve.test_precision import HAS_BF16, models_dir, reference, resnet  # noqa: F401 (fixtures)
 
 pytestmark = [needs_rt_host, pytest.mark.root]
 pytest.importorskip("openvino")
-
-
-@pytest.fixture(scope="module")
-def resnet() -> str:
-    try:
-        return str(ensure_models() / "resnet.onnx")
-    except BuildUnavailable as why:
-        pytest.skip(str(why))
 
 
 def test_bad_precision_is_a_400_naming_the_fix(daemon, resnet):

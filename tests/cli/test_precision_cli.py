@@ -11,16 +11,7 @@ from click.testing import CliRunner
 
 from reamer.cli.main import cli
 from reamer.cli.search_cmd import describe_precision
-from tests.acceptance.exported_models import BuildUnavailable, ensure_models
-from tests.serve.test_precision import HAS_BF16
-
-
-@pytest.fixture(scope="module")
-def resnet() -> str:
-    try:
-        return str(ensure_models() / "resnet.onnx")
-    except BuildUnavailable as why:
-        pytest.skip(str(why))
+from tests.serve.test_precision import HAS_BF16, models_dir, resnet  # noqa: F401 (fixtures)
 
 
 @pytest.mark.parametrize("command", [

@@ -31,6 +31,12 @@ needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU has no native bf1
 
 
 @pytest.fixture(scope="module")
+def resnet(models_dir: Path) -> str:
+    """The exported ResNet (tests/acceptance/exported_models.py); also used by the API and CLI precision tests."""
+    return str(models_dir / "resnet.onnx")
+
+
+@pytest.fixture(scope="module")
 def models_dir() -> Path:
     try:
         return ensure_models()
