@@ -145,6 +145,7 @@ class ProfileCacheChooser:
     def _from_cache(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
                     rate_rps: float | None, max_batch: int | None,
                     samples: "SampleSpec | None" = None, precision: str = "f32") -> LayoutChoice | None:
+        from reamer.plan.admission import batch_latency_target_ms
         from reamer.plan.partition import NoFeasibleLayout
         from reamer.plan.search import plan_from_profile
 
@@ -157,7 +158,7 @@ class ProfileCacheChooser:
             if not points or (self.search is not None and max(p.cores for p in points) < len(cpus)):
                 return None  # "auto" plans only when every backend is cached: else it would never measure one
             try:
-                plans.append((one, plan_from_profile(points, len(cpus), slo_ms)))
+                plans.append((one, plan_from_profile(points, len(cpus), batch_latency_target_ms(slo_ms))))
             except NoFeasibleLayout as exc:
                 refusals.append(exc.message)
         if not plans:

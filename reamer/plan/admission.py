@@ -6,6 +6,16 @@ from dataclasses import dataclass
 
 from reamer.plan.partition import Candidate
 
+# An online request can arrive just after an instance has started a batch and wait for it before its own batch
+# runs, so a layout's batch latency (p99, all instances running together) gets half the SLO: the other half is
+# for that wait. With the whole SLO, a layout whose batch takes 0.9 s "meets" 1 s and sustains almost no rate.
+BATCH_SHARE_OF_SLO = 0.5
+
+
+def batch_latency_target_ms(slo_ms: float | None) -> float | None:
+    """The p99 batch latency an online layout must keep to meet `slo_ms` end to end (None: no SLO)."""
+    return None if slo_ms is None else slo_ms * BATCH_SHARE_OF_SLO
+
 
 @dataclass(frozen=True)
 class AdmissionDecision:
@@ -15,8 +25,9 @@ class AdmissionDecision:
 
 
 def admit(candidate: Candidate | None, rate_rps: float, slo_ms: float, margin: float = 0.10) -> AdmissionDecision:
-    """Accept iff the layout's throughput × (1 − margin) ≥ `rate_rps` and its p99 ≤ `slo_ms`.
-    Measured figures are used when the candidate was verified, predicted ones otherwise."""
+    """Accept iff the layout's throughput × (1 − margin) ≥ `rate_rps` and its batch p99 ≤ the batch latency
+    target of `slo_ms` (half of it). Measured figures are used when the candidate was verified, predicted ones
+    otherwise."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"admission margin must be in [0, 1), got {margin}")
     if rate_rps < 0 or slo_ms <= 0:
@@ -28,10 +39,13 @@ def admit(candidate: Candidate | None, rate_rps: float, slo_ms: float, margin: f
             "relax the SLO, or free cores (detach a training job)",
         )
     achievable = candidate.rps * (1.0 - margin)
-    if candidate.p99_ms > slo_ms:
+    target = batch_latency_target_ms(slo_ms)
+    assert target is not None
+    if candidate.p99_ms > target:
         return AdmissionDecision(
             False, achievable,
-            f"layout {candidate.layout} has p99 {candidate.p99_ms:.1f} ms, over the {slo_ms:g} ms SLO; "
+            f"layout {candidate.layout} has batch p99 {candidate.p99_ms:.1f} ms, over {target:g} ms (half the "
+            f"{slo_ms:g} ms SLO: a request may wait for the batch before its own); "
             "deploy the job on another node, relax the SLO, or free cores",
         )
     if achievable < rate_rps:
@@ -44,5 +58,5 @@ def admit(candidate: Candidate | None, rate_rps: float, slo_ms: float, margin: f
     return AdmissionDecision(
         True, achievable,
         f"layout {candidate.layout} carries {achievable:.1f} rps (with a {margin:.0%} margin) ≥ {rate_rps:g} rps "
-        f"at p99 {candidate.p99_ms:.1f} ms ≤ {slo_ms:g} ms",
+        f"at batch p99 {candidate.p99_ms:.1f} ms ≤ {target:g} ms (half the {slo_ms:g} ms SLO)",
     )

@@ -220,7 +220,7 @@ def quick_search(
             fastest = min(rec.points.values(), key=lambda p: p.p99_ms)
             return SearchResult(
                 best=None, candidates=[], measured=rec.done, space=space, measurements=list(rec.points.values()),
-                note=f"one instance misses the {slo_ms:g} ms SLO even on all {n_cores} cores at batch {batches[0]} "
+                note=f"one instance misses a batch p99 of {slo_ms:g} ms even on all {n_cores} cores at batch {batches[0]} "
                 f"(best p99 {fastest.p99_ms:.1f} ms on {fastest.cores} cores)",
             )
         min_cores = found
@@ -630,7 +630,7 @@ def exhaustive_search(
     feasible = sorted((c for c in results if _meets(c.p99_ms, slo_ms)), key=lambda c: -c.rps)
     return SearchResult(
         feasible[0] if feasible else None, feasible[:top_k], len(results), space,
-        note="" if feasible else f"no layout on {n_cores} cores meets the {slo_ms} ms SLO",
+        note="" if feasible else f"no layout on {n_cores} cores keeps its batch p99 within {slo_ms:g} ms",
     )
 
 
@@ -649,7 +649,7 @@ def plan_from_profile(
         )
     fastest = min(fitting, key=lambda p: p.p99_ms)
     raise NoFeasibleLayout(
-        f"no profiled shape on ≤ {n_cores} cores meets the {slo_ms:g} ms SLO (fastest p99 is "
+        f"no profiled shape on ≤ {n_cores} cores keeps its batch p99 within {slo_ms:g} ms (fastest p99 is "
         f"{fastest.p99_ms:.1f} ms with {fastest.cores} cores at batch {fastest.batch})",
         "raise the SLO, give the job more cores, or profile more shapes",
     )

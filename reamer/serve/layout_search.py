@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
 
 from reamer.host.errors import ReamerError
+from reamer.plan.admission import batch_latency_target_ms
 from reamer.plan.layout import InstanceShape, Layout, count_layouts, format_layout, parse_layout
 from reamer.plan.partition import Candidate, NoFeasibleLayout, ProfilePoint
 from reamer.plan.search import (BackendScreen, SearchResult, count_backend_layouts, exhaustive_search,
@@ -80,6 +81,7 @@ class LayoutSearchOutcome:
     backends: list[str] = field(default_factory=list)  # the backends searched
     screens: list[BackendScreen] = field(default_factory=list)  # "auto": what screening said per backend
     points_by_backend: dict[str, list[ProfilePoint]] = field(default_factory=dict)
+    batch_target_ms: float | None = None  # online: the batch p99 every layout was judged on (half the SLO)
 
     @property
     def layouts_measured(self) -> int:
@@ -323,6 +325,7 @@ def search_layout(
     cache cannot be written (else that is logged and the outcome returned).
     """
     cpus = list(cpus)
+    target_ms = batch_latency_target_ms(slo_ms)  # layouts are judged on their batch p99 against this
     if not cpus:
         raise ValueError("a layout search needs at least one cpu")
     backends = resolve_backends(backend)
@@ -346,20 +349,20 @@ def search_layout(
             if exhaustive:
                 per_backend = []
                 for b in backends:
-                    found = exhaustive_search(lambda layout, b=b: verify(layout.on(b)), n_cores, slo_ms, batches,
+                    found = exhaustive_search(lambda layout, b=b: verify(layout.on(b)), n_cores, target_ms, batches,
                                               progress, top_k=top_k)
                     per_backend.append((b, found))
                 result = _merge_exhaustive(per_backend, space)
             else:
                 result, screens = quick_search_backends(lambda b, cores, batch: runs[b].measure(cores, batch),
-                                                        n_cores, slo_ms, batches, verify, progress,
+                                                        n_cores, target_ms, batches, verify, progress,
                                                         backends=backends, drop_margin=drop_margin,
                                                         top_k=max(top_k, 5))
         except _BudgetSpent:
             complete = False
             why = f"the search's time budget of {budget_s:g} s ran out after {len(rows)} run(s)"
             log.info("%s for %s", why, os.path.basename(model_path))
-            result = _plan_from_backends({b: r.points() for b, r in runs.items()}, n_cores, slo_ms, space,
+            result = _plan_from_backends({b: r.points() for b, r in runs.items()}, n_cores, target_ms, space,
                                          len(rows), why)
             # layouts verified before the budget ran out are measured facts: they compete with the plan
             planned = {format_layout(c.layout) for c in result.candidates}
@@ -410,13 +413,13 @@ def search_layout(
     if len(backends) == 1:  # a fixed backend: the layouts say nothing the job does not already say
         candidates = [Candidate(c.layout.on(None), c.predicted_rps, c.predicted_p99_ms, c.measured_rps,
                                 c.measured_p99_ms) for c in candidates]
-    candidates = distinct_layouts(_rank(candidates, slo_ms))
-    best = candidates[0] if candidates and _meets(candidates[0].p99_ms, slo_ms) else None
+    candidates = distinct_layouts(_rank(candidates, target_ms))
+    best = candidates[0] if candidates and _meets(candidates[0].p99_ms, target_ms) else None
     gain = best.rps / base.throughput_rps if best is not None and base is not None and base.throughput_rps > 0 else None
     chosen = (best.layout.backend if best is not None else None) or backends[0]
     return LayoutSearchOutcome(result=result, best=best, candidates=candidates, rows=rows, baseline=base,
                                gain=gain, points=runs[chosen].points(), new_points=list(runs[chosen].new_points),
-                               from_cache=not any(r.new_points for r in runs.values()), complete=complete, cpus=cpus,
+                               from_cache=not any(r.new_points for r in runs.values()), complete=complete, cpus=cpus, batch_target_ms=target_ms,
                                backend=chosen, backends=backends, screens=screens,
                                points_by_backend={b: r.points() for b, r in runs.items()})
 

@@ -56,3 +56,13 @@ def test_load_chooser_by_name_and_clear_error():
     assert load_chooser("tests.api.conftest:refuse_all", "/nonexistent")("m", "b", [0], 1.0, 100.0).accepted is False
     with pytest.raises(Exception, match="cannot be loaded"):
         load_chooser("no.such.module:fn", "/nonexistent")
+
+
+def test_a_planned_layout_keeps_its_batch_within_half_the_slo(cached):
+    model, chooser = cached
+    # at 30 ms every cached shape qualifies (15 ms for the batch): two 1-core instances at batch 4 (360/s); at 20 ms
+    # (10 ms for the batch) 1x1:b4's 12 ms no longer does, though it is under the SLO itself
+    assert chooser(model, "onnxruntime", [0, 1], 30.0, None).layout == "2x1:b4"
+    assert chooser(model, "onnxruntime", [0, 1], 20.0, None).layout == "1x2:b4"
+    refused = chooser(model, "onnxruntime", [0, 1], 7.0, None)
+    assert not refused.accepted and "within 3.5 ms" in refused.reason

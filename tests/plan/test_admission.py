@@ -1,6 +1,6 @@
 import pytest
 
-from reamer.plan.admission import admit
+from reamer.plan.admission import admit, batch_latency_target_ms
 from reamer.plan.layout import parse_layout
 from reamer.plan.partition import Candidate
 
@@ -31,11 +31,20 @@ def test_refuses_when_p99_misses_slo():
     assert "60.0 ms" in decision.reason and "50 ms" in decision.reason
 
 
+def test_batch_latency_gets_half_the_slo():
+    # a request may wait for the batch before its own: a batch p99 of 30 ms meets a 60 ms SLO, not a 50 ms one
+    assert batch_latency_target_ms(60.0) == pytest.approx(30.0) and batch_latency_target_ms(None) is None
+    assert admit(candidate(1000.0, 30.0), rate_rps=10.0, slo_ms=60.0).accepted
+    decision = admit(candidate(1000.0, 30.0), rate_rps=10.0, slo_ms=50.0)
+    assert not decision.accepted
+    assert "batch p99 30.0 ms, over 25 ms (half the 50 ms SLO" in decision.reason
+
+
 def test_measured_figures_win_over_predictions():
     optimistic = candidate(200.0, 20.0, measured_rps=100.0, measured_p99=30.0)
     assert not admit(optimistic, rate_rps=150.0, slo_ms=50.0).accepted
-    assert admit(optimistic, rate_rps=80.0, slo_ms=50.0).accepted
-    assert not admit(optimistic, rate_rps=80.0, slo_ms=25.0).accepted
+    assert admit(optimistic, rate_rps=80.0, slo_ms=60.0).accepted
+    assert not admit(optimistic, rate_rps=80.0, slo_ms=50.0).accepted  # its measured 30 ms is over half of 50
 
 
 def test_no_layout_is_a_refusal_with_zero_capacity():

@@ -79,3 +79,21 @@ def test_the_slo_no_shape_meets_gives_no_best_and_no_cache_dir_writes_nothing(ti
     assert outcome.best is None and outcome.note and outcome.new_points
     assert outcome.candidates and all(c.p99_ms > 1e-6 for c in outcome.candidates)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_online_layout_gets_half_the_slo_for_its_batch(tiny, tmp_path):
+    """A request may wait for the batch before its own: a batch of 400 ms meets a 1 s SLO, not a 500 ms one,
+    though its p99 alone is under 500."""
+    from reamer.plan.partition import ProfilePoint
+    from reamer.serve.layout_search import store_points
+
+    cache = tmp_path / "cache"
+    store_points(cache, tiny, "onnxruntime", [ProfilePoint(1, 1, 100.0, 20.0), ProfilePoint(1, 2, 150.0, 200.0),
+                                               ProfilePoint(1, 4, 300.0, 400.0)])
+    relaxed = search_layout(tiny, "onnxruntime", CPU, 1000.0, cache_dir=cache, batches=[1, 2, 4], settings=FAST)
+    assert relaxed.batch_target_ms == 500.0 and format_layout(relaxed.best.layout) == "1x1:b4"
+    tight = search_layout(tiny, "onnxruntime", CPU, 500.0, cache_dir=cache, batches=[1, 2, 4], settings=FAST)
+    assert tight.batch_target_ms == 250.0 and format_layout(tight.best.layout) == "1x1:b2"
+    assert tight.from_cache and not tight.new_points  # decided on the cached figures, nothing re-measured
+    offline = search_layout(tiny, "onnxruntime", CPU, None, cache_dir=cache, batches=[1, 2, 4], settings=FAST)
+    assert offline.batch_target_ms is None and format_layout(offline.best.layout) == "1x1:b4"
