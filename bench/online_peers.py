@@ -171,11 +171,13 @@ def bracket(steps: Iterable[Step], slo_ms: float) -> tuple[Step | None, Step | N
 
 def search_rate(probe: Probe, slo_ms: float, start_rps: float, *, known: Sequence[Step] = (), max_steps: int = 5,
                 growth: float = 1.4, precision: float = 0.05, min_rps: float = 0.05,
-                max_rps: float = 1e5) -> RateSearch:
+                max_rps: float = 1e5, retries: int = 1) -> RateSearch:
     """The highest rate that `probe` says meets the SLO, within `precision` (relative) or `max_steps` probes,
     never above `max_rps` (a pass there reads "at least max_rps").
 
-    `known`: steps already run on the same server (another SLO's search): they bound the first bracket."""
+    `known`: steps already run on the same server (another SLO's search): they bound the first bracket.
+    `retries`: this many failed steps are run once more at the same rate (beyond `max_steps`), and a pass
+    then counts: on a shared machine one disturbed step would otherwise bound the search for good."""
     out = RateSearch(slo_ms, None, max_rps=max_rps)
     for _ in range(max_steps):
         lo, hi = bracket([*known, *out.steps], slo_ms)
@@ -193,6 +195,9 @@ def search_rate(probe: Probe, slo_ms: float, start_rps: float, *, known: Sequenc
         if rate < min_rps or (lo is not None and rate <= lo.rate_rps):
             break  # below any useful rate, or already passed at the ceiling
         out.steps.append(probe(rate))
+        if retries > 0 and not out.steps[-1].meets(slo_ms):
+            retries -= 1
+            out.steps.append(probe(rate))  # bracket() keeps the pass, if the re-run passes
     lo, hi = bracket([*known, *out.steps], slo_ms)
     out.best, out.below_rps = lo, hi.rate_rps if hi else None
     return out

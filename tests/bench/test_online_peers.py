@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -61,7 +62,7 @@ def test_the_search_brackets_the_true_rate_within_its_precision(capacity, base_m
     assert found.rate_rps <= truth * 1.001  # never reports a rate that fails
     assert found.rate_rps >= truth / 1.05 / 1.001  # and is within the precision of the true rate
     assert found.below_rps is not None and found.below_rps <= found.rate_rps * 1.05 + 1e-9
-    assert len(server.rates) == len(found.steps) <= 12
+    assert len(server.rates) == len(found.steps) <= 12 + 1  # one failed step is re-run
 
 
 def test_a_second_slo_starts_from_the_first_searchs_steps():
@@ -90,6 +91,28 @@ def test_the_ceiling_ends_the_search_and_nothing_passing_reads_zero():
     assert fast.rate_rps == 300.0 and fast.at_ceiling and len(fast.steps) < 10
     never = search_rate(SimulatedServer(5.0, 500.0), 200.0, 3.5, max_steps=4)
     assert never.best is None and never.rate_rps == 0.0 and never.below_rps is not None
+
+
+def test_a_disturbed_step_is_run_again_before_it_bounds_the_search():
+    server = SimulatedServer(20.0, 50.0)
+    truth = server.threshold(1000.0)
+
+    def disturbed_once() -> tuple[Callable[[float], Step], list[float]]:
+        hit: list[float] = []
+
+        def probe(rate: float) -> Step:
+            if not hit and rate < truth:  # the first step under the true rate meets a burst of other work
+                hit.append(rate)
+                return SimulatedServer(1.0, 50.0)(rate)
+            return server(rate)
+        return probe, hit
+
+    probe, hit = disturbed_once()
+    found = search_rate(probe, 1000.0, 8.0, max_steps=8, precision=0.05)
+    assert hit and [s.rate_rps for s in found.steps].count(hit[0]) == 2  # run again at the same rate
+    assert found.rate_rps >= truth / 1.05 / 1.001
+    probe, hit = disturbed_once()
+    assert search_rate(probe, 1000.0, 8.0, max_steps=8, precision=0.05, retries=0).rate_rps < hit[0]
 
 
 def test_bracket_ignores_a_noisy_failure_below_a_pass():
