@@ -8,6 +8,7 @@ loses its cores is stopped and waits (state "pending") until cores are free agai
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import os
 import signal
@@ -70,12 +71,21 @@ def load_chooser(spec: str | None, profile_dir: str | Path, config: Any = None) 
 
 
 def choose_for(chooser: LayoutChooser, rec: "InferenceRecord", cpus: list[int]) -> "LayoutChoice | None":
-    """Ask `chooser` for the layout of `rec` on `cpus`; the built-in chooser also keeps to the job's max batch
-    and measures (and looks up cached profiles) with the job's traffic shapes and sample data."""
-    if isinstance(chooser, ProfileCacheChooser):
-        return chooser(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps, max_batch=rec.max_batch,
-                       samples=rec.samples(), precision=rec.precision)
-    return chooser(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps)
+    """Ask `chooser` for the layout of `rec` on `cpus`, also passing the job's max batch, traffic (shapes and
+    sample data) and precision as the keywords `max_batch`, `samples` and `precision` to a chooser that takes
+    them (the built-in one does; a custom one written for the five positional arguments still works)."""
+    offered = {"max_batch": rec.max_batch, "samples": rec.samples(), "precision": rec.precision}
+    return chooser(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps, **_keywords_taken(chooser, offered))
+
+
+def _keywords_taken(fn: Callable, offered: dict[str, Any]) -> dict[str, Any]:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature: the five positional arguments only
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return offered
+    return {k: v for k, v in offered.items() if k in params}
 
 
 @dataclass(frozen=True)

@@ -82,13 +82,19 @@ def inference_progress(job) -> str:
 
 def render_inference_table(jobs) -> str:
     return render_table(
-        ["name", "kind", "state", "backend", "layout", "slo ms", "cpus", "progress", "url"],
+        ["name", "kind", "state", "backend", "layout", "precision", "slo ms", "cpus", "progress", "url"],
         [[field(j, "name"), field(j, "kind"), field(j, "state"), field(j, "backend"), field(j, "layout"),
-          field(j, "slo_ms"),
+          _short_precision(j), field(j, "slo_ms"),
           format_cpulist({c for i in field(j, "instances", []) for c in field(i, "cpus", [])}) or "-",
           inference_progress(j), field(j, "url")]
          for j in jobs],
     )
+
+
+def _short_precision(job) -> str:
+    """What the instances compute in (what was asked until they report), and what was asked where it differs."""
+    asked, effective = field(job, "precision") or "f32", field(job, "effective_precision")
+    return asked if effective in (None, asked) else f"{effective} (asked {asked})"
 
 
 def fetch_status(cli: CliContext) -> dict:

@@ -172,3 +172,19 @@ def test_an_external_chooser_is_asked_without_max_batch(tiny_model):
                           rate_rps=3.0, max_batch=4)
     assert choose_for(external, rec, [1]) is None
     assert asked == [(tiny_model, "onnxruntime", [1], 10.0, 3.0)]
+
+
+def test_an_external_chooser_gets_the_keywords_it_takes(tiny_model):
+    asked = []
+
+    def wants_precision(model, backend, cpus, slo_ms, rate_rps, precision="f32"):
+        asked.append(precision)
+
+    def wants_everything(model, backend, cpus, slo_ms, rate_rps, **job):
+        asked.append(sorted(job))
+
+    rec = InferenceRecord(name="web", model=tiny_model, kind="online", backend="openvino", slo_ms=10.0,
+                          rate_rps=3.0, max_batch=4, precision="bf16")
+    choose_for(wants_precision, rec, [1])
+    choose_for(wants_everything, rec, [1])
+    assert asked == ["bf16", ["max_batch", "precision", "samples"]]

@@ -37,7 +37,7 @@ ONLINE = schemas.InferenceJob(
     status=schemas.InferenceStatus(rate_rps=19.5, p50_ms=3.0, p99_ms=9.5, slo_attainment=0.998))
 OFFLINE = schemas.InferenceJob(
     name="batch", model="/models/m.onnx", kind="offline", backend="openvino", input_dir="/in", output_dir="/out",
-    state="done", pid=None, status=schemas.InferenceStatus(done=40, total=40, throughput=12.5))
+    precision="bf16", effective_precision="bf16", state="done", pid=None, status=schemas.InferenceStatus(done=40, total=40, throughput=12.5))
 
 
 def make_app(received: list) -> FastAPI:
@@ -248,6 +248,7 @@ def test_infer_list_and_show(run):
     listing = run("infer", "list")
     assert listing.exit_code == 0
     assert "svc" in listing.output and "batch" in listing.output and "12.5/s" in listing.output
+    assert "PRECISION" in listing.output and "bf16" in listing.output  # batch's; svc runs the default, f32
     show = run("infer", "show", "svc")
     assert show.exit_code == 0
     assert "layout:" in show.output and "2x1:b4" in show.output
