@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from reamer.agent.training import job_processes
+from reamer.agent.training import job_process_trees
 from reamer.host.cgroups import CgroupDriver
 from reamer.host.errors import HostError
 from reamer.host.oom import oom_score_adj, set_oom_score_adj
@@ -72,9 +72,11 @@ class InferenceMemoryGuard:
 
     def apply(self, records: Iterable[Any]) -> None:
         """Bring every running job to its oom_score_adj, memory cgroup and limit; report new OOM kills."""
+        records = list(records)
+        trees = job_process_trees({rec.name: [rec.pid] for rec in records if rec.state == "running" and rec.pid})
         for rec in records:
-            if rec.state == "running" and rec.pid:
-                pids = job_processes([rec.pid])
+            if rec.name in trees:
+                pids = trees[rec.name]
                 settled = self._settled.get(rec.name) == frozenset(pids)
                 if not settled:
                     self._prefer_as_victims(pids)

@@ -94,15 +94,26 @@ class PinState:
 
 def job_processes(pids: Iterable[int]) -> list[int]:
     """The given pids and all their descendants that exist now."""
-    found: set[int] = set()
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            found.add(pid)
-            found.update(child.pid for child in proc.children(recursive=True))
-        except psutil.Error:
-            continue
-    return sorted(found)
+    return job_process_trees({"": list(pids)})[""]
+
+
+def job_process_trees(roots: dict[str, list[int]]) -> dict[str, list[int]]:
+    """For each key, its root pids that exist now and all their descendants, from one scan of the process
+    table (psutil's children() scans it once per call: once per job per pass for the memory guard)."""
+    children: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        children.setdefault(proc.info["ppid"], []).append(proc.pid)
+    trees = {}
+    for key, pids in roots.items():
+        found = {pid for pid in pids if psutil.pid_exists(pid)}
+        todo = list(found)
+        while todo:
+            for child in children.get(todo.pop(), ()):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+        trees[key] = sorted(found)
+    return trees
 
 
 def _common(paths: Iterable[str]) -> str:
