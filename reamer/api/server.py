@@ -7,10 +7,12 @@ scope["reamer.peer"]. A connection that is not over a Unix socket carries None a
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http import h11_impl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from reamer.host.identity import PeerCredentials, peer_credentials
@@ -18,8 +20,10 @@ from reamer.host.identity import PeerCredentials, peer_credentials
 PEER_SCOPE_KEY = "reamer.peer"
 
 try:  # httptools is uvicorn's fast parser; h11 is its pure-Python fallback
+    from uvicorn.protocols.http import httptools_impl
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _BaseProtocol
 except ImportError:  # pragma: no cover - httptools is a dependency
+    httptools_impl = None  # type: ignore[assignment]
     _BaseProtocol = H11Protocol  # type: ignore[misc,assignment]
 
 
@@ -45,10 +49,27 @@ class PeerCredProtocol(_BaseProtocol):  # type: ignore[misc,valid-type]
         self.app = _WithPeer(self.app, peer)
 
 
+async def _over_capacity(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The answer beyond max_connections, in the API's error shape (uvicorn's own is a plain-text 503)."""
+    body = json.dumps({"error": {
+        "code": "over_capacity",
+        "message": "the agent is serving as many connections and requests as security.max_connections allows",
+        "fix": "retry shortly; close idle connections to the agent's socket, or raise security.max_connections"}})
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), (b"retry-after", b"1")]})
+    await send({"type": "http.response.body", "body": body.encode(), "more_body": False})
+
+
 def make_server(app: Any, log_level: str = "info", timeout_graceful_shutdown: int = 3,
                 max_connections: int | None = None) -> uvicorn.Server:
     """A uvicorn server for `app` that tells it who is calling; run it with server.run(sockets=[sock]).
-    Beyond `max_connections` connections or requests in progress it answers 503."""
+    Beyond `max_connections` connections or requests in progress it answers 503 in the API's error shape."""
+    # uvicorn's protocols answer their concurrency limit with their module's `service_unavailable`; the agent's
+    # process serves only this API, so that answer becomes ours (tests/api/test_socket_gate.py checks it holds)
+    for module in (h11_impl, httptools_impl):
+        if module is not None:
+            module.service_unavailable = _over_capacity  # type: ignore[attr-defined]
     return uvicorn.Server(uvicorn.Config(app, http=PeerCredProtocol, log_level=log_level, access_log=False,
                                          lifespan="off", timeout_graceful_shutdown=timeout_graceful_shutdown,
                                          limit_concurrency=max_connections))

@@ -55,3 +55,27 @@ def test_over_tcp_the_server_refuses_every_request():
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def test_beyond_max_connections_the_answer_is_a_503_in_the_api_error_shape(tmp_path):
+    """With max_connections 1 the connection of the request itself fills the cap: uvicorn refuses it before the
+    app, and says so as the API does (JSON error with a fix), not in plain text."""
+    server = make_server(build_app(_Untouchable()), log_level="critical", max_connections=1)  # type: ignore[arg-type]
+    path = str(tmp_path / "api.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen(8)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, timeout=60, what="the server to start")
+        with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://reamer") as client:
+            response = client.get("/v1/node", timeout=30)
+        assert response.status_code == 503 and response.headers["content-type"] == "application/json"
+        error = response.json()["error"]
+        assert error["code"] == "over_capacity" and "max_connections" in error["message"]
+        assert "raise security.max_connections" in error["fix"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
