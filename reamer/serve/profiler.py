@@ -9,8 +9,14 @@ says READY, waits for GO, then runs closed-loop batches in windows:
   10 % by default, of their mean) or `max_windows` is reached; throughput = mean of the last three;
 - fixed mode (whole layouts): exactly `fixed_windows` windows, all instances started together.
 
-p99 is pooled over the batch latencies of all measured windows. Top-level imports here are
-standard library only, because this module is also the worker's entry point.
+p99 is pooled over the batch latencies of all measured windows.
+
+After READY the worker reads commands on stdin: `GO` measures the configured batch, says RESULT and
+exits (layouts, measure_point); `RUN {"batch": B}` measures batch B in point mode on the same loaded
+model, re-warming first when B is new to it, says RESULT and waits for the next command (PointSession);
+`EXIT` or end of input ends it.
+
+Top-level imports here are standard library only, because this module is also the worker's entry point.
 """
 from __future__ import annotations
 
@@ -64,6 +70,7 @@ class WorkerResult:
     stable: bool = False
     samples: int = 0
     measured_s: float = 0.0
+    fed_batch: int = 0  # rows of the batched inputs as actually fed (0: the model has no batched input)
 
     @property
     def throughput_rps(self) -> float:
@@ -128,9 +135,7 @@ class ProfileWorker:
                 raise ProfileError(f"profile worker on cpus {self.config.cpus} sent no {waiting_for} in time",
                                    "give it a longer timeout, fewer windows, or a smaller batch") from None
             if line is None:
-                raise ProfileError(
-                    f"profile worker on cpus {self.config.cpus} exited ({self.proc.wait()}) before {waiting_for}: "
-                    f"{self.stderr_tail()}", "check the model file and backend; the worker's stderr is above")
+                raise self._exited(waiting_for)
             tag, _, payload = line.partition(" ")
             if tag == "ERROR":
                 err = json.loads(payload)
@@ -138,6 +143,13 @@ class ProfileWorker:
             if tag in ("READY", "RESULT"):
                 return tag, json.loads(payload)
             # anything else is stray output from a runtime: ignore it
+
+    def _exited(self, waiting_for: str) -> ProfileError:
+        code = self.proc.wait()
+        how = f"was killed by signal {-code}" if code < 0 else f"exited ({code})"
+        return ProfileError(f"profile worker {self.pid} on cpus {self.config.cpus} {how} before {waiting_for}: "
+                            f"{self.stderr_tail() or '(nothing on stderr)'}",
+                            "check the model file and backend; the worker's stderr is above")
 
     def stderr_tail(self, chars: int = 2000) -> str:
         self._stderr.seek(0)
@@ -155,6 +167,17 @@ class ProfileWorker:
     def result(self, timeout_s: float = 300.0) -> WorkerResult:
         _, data = self._next(time.monotonic() + timeout_s, "RESULT")
         self.proc.wait(timeout=30)
+        return WorkerResult(**data)
+
+    def run_batch(self, batch: int, timeout_s: float = 300.0) -> WorkerResult:
+        """Measure `batch` on the loaded model (re-warmed when the batch is new to it) and stay up for the next."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(f"RUN {json.dumps({'batch': batch})}\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):  # ValueError: our end was closed
+            raise self._exited(f"the RESULT of batch {batch}") from None
+        _, data = self._next(time.monotonic() + timeout_s, f"the RESULT of batch {batch}")
         return WorkerResult(**data)
 
     def close(self) -> None:
@@ -223,13 +246,81 @@ def measure_point(model_path: str | os.PathLike, backend: str, cores: int, batch
     rule), computing at the job's `precision`."""
     from reamer.plan.partition import ProfilePoint
 
+    cfg = _point_config(model_path, backend, cores, batch, cpus, warmup_s, window_s, max_windows, stability,
+                        samples, threads, streams, precision)
+    (res,) = _run_workers([cfg], timeout_s)
+    return ProfilePoint(cores=cores, batch=batch, throughput_rps=res.throughput_rps, p99_ms=p99(res.latencies_ms))
+
+
+def _point_config(model_path: str | os.PathLike, backend: str, cores: int, batch: int, cpus: Sequence[int] | None,
+                  warmup_s: float, window_s: float, max_windows: int, stability: float,
+                  samples: "SampleSpec | None", threads: int | None, streams: int, precision: str) -> WorkerConfig:
     if cores < 1 or batch < 1:
         raise ProfileError(f"cores ({cores}) and batch ({batch}) must be >= 1", "pass positive values")
     chosen = _usable_cpus(cpus, cores)[:cores]
-    cfg = WorkerConfig(os.fspath(model_path), backend, chosen, threads or cores, batch, warmup_s, window_s,
-                       max(3, max_windows), stability, samples=_doc(samples), streams=streams, precision=precision)
-    (res,) = _run_workers([cfg], timeout_s)
-    return ProfilePoint(cores=cores, batch=batch, throughput_rps=res.throughput_rps, p99_ms=p99(res.latencies_ms))
+    return WorkerConfig(os.fspath(model_path), backend, chosen, threads or cores, batch, warmup_s, window_s,
+                        max(3, max_windows), stability, samples=_doc(samples), streams=streams, precision=precision)
+
+
+class PointSession:
+    """Single-instance points of one shape (model, backend, cores, threads, streams, precision, samples) at
+    any batch, from one worker process kept loaded between them: the process start, imports, model load
+    and first warm-up are paid once, a new batch only re-warms. Measures exactly as measure_point does.
+
+    A measurement that fails (the worker died, timed out or refused the batch) raises ProfileError and
+    drops that worker; the next measurement starts a fresh one. close() kills the worker."""
+
+    def __init__(self, model_path: str | os.PathLike, backend: str, cores: int, cpus: Sequence[int] | None = None,
+                 *, warmup_s: float = 1.0, window_s: float = 0.5, max_windows: int = 10, stability: float = 0.10,
+                 samples: "SampleSpec | None" = None, threads: int | None = None, streams: int = 1,
+                 precision: str = "f32") -> None:
+        self.cores = cores
+        self.config = _point_config(model_path, backend, cores, 1, cpus, warmup_s, window_s, max_windows,
+                                    stability, samples, threads, streams, precision)
+        self.pids: list[int] = []  # every worker process this session started, in order
+        self._worker: ProfileWorker | None = None
+
+    @property
+    def alive(self) -> bool:
+        """A loaded worker is waiting: the next measurement has no start-up."""
+        return self._worker is not None and self._worker.proc.poll() is None
+
+    def measure(self, batch: int, timeout_s: float = 600.0) -> "ProfilePoint":
+        from reamer.plan.partition import ProfilePoint
+
+        if batch < 1:
+            raise ProfileError(f"batch ({batch}) must be >= 1", "pass a positive batch")
+        deadline = time.monotonic() + timeout_s
+        if not self.alive:
+            self._drop()
+            self._worker = ProfileWorker(WorkerConfig(**{**asdict(self.config), "batch": batch}))
+            self.pids.append(self._worker.pid)
+        worker = self._worker
+        assert worker is not None
+        try:
+            if not worker.ready_info:
+                worker.wait_ready(max(1.0, deadline - time.monotonic()))
+            res = worker.run_batch(batch, max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            self._drop()
+            raise
+        return ProfilePoint(cores=self.cores, batch=batch, throughput_rps=res.throughput_rps,
+                            p99_ms=p99(res.latencies_ms))
+
+    def _drop(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
+
+    def close(self) -> None:
+        """Kill the worker (idempotent): it holds its model's memory and may not outlive the search."""
+        self._drop()
+
+    def __enter__(self) -> "PointSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def measure_layout_detail(model_path: str | os.PathLike, backend: str, layout: Any, cpus: Sequence[int], *,
@@ -285,7 +376,7 @@ def _worker_main(config_json: str) -> int:
     import numpy as np
 
     from reamer.serve.backends import open_backend
-    from reamer.serve.samples import SampleSpec, explain_failure, plan_samples
+    from reamer.serve.samples import SampleSpec, plan_samples
 
     try:
         backend = open_backend(cfg.backend, cfg.model_path, cfg.threads, cfg.streams, cfg.precision)
@@ -294,21 +385,81 @@ def _worker_main(config_json: str) -> int:
     except ReamerError as exc:
         _emit("ERROR", {"message": exc.message, "fix": exc.fix})
         return 2
-    try:
-        backend.run(feeds)
-    except Exception as exc:  # noqa: BLE001 - runtimes raise their own types
-        _emit("ERROR", {"message": explain_failure(cfg.model_path, plan, feeds, exc),
-                        "fix": "give the traffic's shapes (--shape NAME:DIMS) or sample data (--input-data FILE) "
-                               "that the model accepts"})
+    if not _first_run(backend, cfg, plan, feeds):
         return 2
     warm_until = time.perf_counter() + cfg.warmup_s
     while time.perf_counter() < warm_until:
         backend.run(feeds)
     _emit("READY", {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "threads": cfg.threads,
                     "precision": backend.precision})
-    if sys.stdin.readline().strip() != "GO":
-        return 0  # parent went away
-    res = WorkerResult(cfg.cpus, cfg.threads, cfg.batch)
+    warm_batch = cfg.batch
+    while True:
+        command, _, payload = sys.stdin.readline().strip().partition(" ")
+        if command == "GO":  # one measurement of the configured batch, then exit (layouts, single points)
+            res = _measure(backend, feeds, cfg, cfg.batch, _rows(plan, feeds))
+            backend.close()
+            _emit("RESULT", asdict(res))
+            return 0
+        if command != "RUN":  # "EXIT", end of input (the parent went away) or anything else: done
+            backend.close()
+            return 0
+        batch = int(json.loads(payload)["batch"])
+        if batch != warm_batch:
+            feeds = plan.batch(batch, np.random.default_rng(cfg.seed))
+            if not _first_run(backend, cfg, plan, feeds):
+                return 2
+            _rewarm(backend, feeds, cfg.warmup_s)
+            warm_batch = batch
+        _emit("RESULT", asdict(_measure(backend, feeds, cfg, batch, _rows(plan, feeds))))
+
+
+def _rows(plan: Any, feeds: dict) -> int:
+    return next((len(feeds[p.info.name]) for p in plan.inputs if p.batched), 0)
+
+
+def _first_run(backend: Any, cfg: WorkerConfig, plan: Any, feeds: dict) -> bool:
+    """Run one batch; False (and an ERROR line naming the input at fault) when the runtime refuses it."""
+    from reamer.serve.samples import explain_failure
+
+    try:
+        backend.run(feeds)
+    except Exception as exc:  # noqa: BLE001 - runtimes raise their own types
+        _emit("ERROR", {"message": explain_failure(cfg.model_path, plan, feeds, exc),
+                        "fix": "give the traffic's shapes (--shape NAME:DIMS) or sample data (--input-data FILE) "
+                               "that the model accepts"})
+        return False
+    return True
+
+
+def _rewarm(backend: Any, feeds: dict, warmup_s: float, min_batches: int = 3) -> int:
+    """Warm up a loaded model on a new batch shape (the first run of it already done): `warmup_s`, or less
+    once two consecutive quarter-warm-up periods (half the warm-up together) ran within 10 % of each
+    other's throughput — the runtime has settled on the new shape; never fewer than `min_batches` batches,
+    the first run counted. Returns the batches run."""
+    period = warmup_s / 4
+    ran, rates = 1, []
+    began = time.perf_counter()
+    while True:
+        p_start = now = time.perf_counter()
+        n = 0
+        while n == 0 or now - p_start < period:
+            backend.run(feeds)
+            n += 1
+            now = time.perf_counter()
+        ran += n
+        rates.append(n / (now - p_start))
+        if ran < min_batches:
+            continue
+        if now - began >= warmup_s:
+            return ran
+        if len(rates) >= 2 and abs(rates[-1] - rates[-2]) <= 0.10 * max(rates[-1], rates[-2]):
+            return ran
+
+
+def _measure(backend: Any, feeds: dict, cfg: WorkerConfig, batch: int, fed_batch: int) -> WorkerResult:
+    """Closed-loop batches in windows: point mode until window_is_stable or max_windows, fixed mode
+    exactly fixed_windows."""
+    res = WorkerResult(cfg.cpus, cfg.threads, batch, fed_batch=fed_batch)
     limit = cfg.fixed_windows or cfg.max_windows
     began = time.perf_counter()
     while len(res.window_rps) < limit:
@@ -318,7 +469,7 @@ def _worker_main(config_json: str) -> int:
             backend.run(feeds)
             done = time.perf_counter()
             res.latencies_ms.append((done - now) * 1e3)
-            n += cfg.batch
+            n += batch
             now = done
         res.window_rps.append(n / (now - w_start))
         res.samples += n
@@ -326,9 +477,7 @@ def _worker_main(config_json: str) -> int:
             res.stable = True
             break
     res.measured_s = time.perf_counter() - began
-    backend.close()
-    _emit("RESULT", asdict(res))
-    return 0
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
