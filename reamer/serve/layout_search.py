@@ -15,7 +15,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from reamer.host.errors import ReamerError
 from reamer.plan.admission import batch_latency_target_ms
@@ -24,6 +24,9 @@ from reamer.plan.partition import Candidate, NoFeasibleLayout, ProfilePoint
 from reamer.plan.search import (BackendScreen, SearchResult, count_backend_layouts, exhaustive_search,
                                 plan_from_profile, quick_search_backends)
 from reamer.serve.samples import SampleSpec
+
+if TYPE_CHECKING:
+    from reamer.serve.profiler import PointSession
 
 log = logging.getLogger("reamer.layout_search")
 
@@ -146,7 +149,16 @@ def store_points(cache_dir: str | os.PathLike, model_path: str, backend: str, ne
 
 
 class _Runs:
-    """The search's measure/verify callbacks: cached points first, every run recorded, a time budget."""
+    """The search's measure/verify callbacks: cached points first, every run recorded, a time budget.
+
+    Points are measured by one worker kept loaded while the search walks the batches of one core count
+    (reamer.serve.profiler.PointSession); it is closed before a layout runs, before another core count or
+    backend is measured, and by close() when the search ends."""
+
+    # id(rows) -> the _Runs of that search whose point worker is alive: the backends' _Runs of one search
+    # share `rows`, and one idle worker may not hold a cpu or memory while another run measures. The entry
+    # holds that _Runs, and with it `rows`, so the id cannot be reused while it is there.
+    _live: dict[int, "_Runs"] = {}
 
     def __init__(self, model_path: str, backend: str, cpus: list[int], settings: MeasureSettings,
                  cached: Sequence[ProfilePoint], deadline: float | None, samples: SampleSpec | None = None,
@@ -159,7 +171,8 @@ class _Runs:
         self.rows: list[MeasurementRow] = [] if rows is None else rows  # shared by the backends of one search
         self.suffix = f"@{backend}" if tag else ""
         self.new_points: list[ProfilePoint] = []
-        self.overheads: list[float] = []  # per run measured here: its seconds beyond warm-up and windows
+        self.overheads: list[float] = []  # per fresh worker start here: its seconds beyond warm-up and windows
+        self._session: "PointSession | None" = None
 
     def _timeout_s(self, expected_s: float = 0.0) -> float:
         """Seconds a run may take; _BudgetSpent when the budget is spent, or would be before a run
@@ -181,35 +194,61 @@ class _Runs:
         near = min(known, key=lambda p: abs(math.log2(p.batch / batch)))
         return 1000.0 * near.batch / near.throughput_rps * batch / near.batch
 
-    def expected_s(self, latency_ms: float | None, windows: int) -> float:
+    def expected_s(self, latency_ms: float | None, windows: int, fresh: bool = True) -> float:
         """A run's expected seconds: this search's start-up overhead so far (process, model load) plus
-        warm-up (the first batch, then `warmup_s`) and `windows` windows of at least one batch each."""
+        warm-up (the first batch, then `warmup_s`) and `windows` windows of at least one batch each. A
+        run on a loaded worker (`fresh` False) has no start-up, and its re-warm-up may end after half
+        of `warmup_s` (three batches at least, the first one counted)."""
         if latency_ms is None:
             return 0.0
         lat, s = latency_ms / 1000.0, self.settings
-        return self.overhead_s() + lat + max(s.warmup_s, lat) + windows * max(s.window_s, lat)
+        windows_s = windows * max(s.window_s, lat)
+        if not fresh:
+            return lat + max(s.warmup_s / 2, 2 * lat) + windows_s
+        return self.overhead_s() + lat + max(s.warmup_s, lat) + windows_s
 
     def overhead_s(self) -> float:
-        """The least start-up overhead (process, imports, model load) a run of this backend has had: a
-        lower bound, so a run is refused only when it would overrun the budget even at its fastest."""
+        """The least start-up overhead (process, imports, model load) a fresh worker of this backend has
+        had: a lower bound, so a run is refused only when it would overrun the budget even at its fastest."""
         return max(0.0, min(self.overheads)) if self.overheads else 0.0
 
-    def _ran(self, seconds: float, latency_ms: float, windows: int) -> None:
-        self.overheads.append(seconds - (self.expected_s(latency_ms, windows) - self.overhead_s()))
+    def _ran(self, seconds: float, latency_ms: float, windows: int, fresh: bool = True) -> None:
+        if fresh:  # a loaded worker's run has no start-up: it says nothing about a fresh one's
+            self.overheads.append(seconds - (self.expected_s(latency_ms, windows) - self.overhead_s()))
+
+    def _point_session(self, cores: int) -> "PointSession":
+        """The worker for points on `cores` cores: the loaded one when it has them, else a new session
+        (the search's other point worker, of another core count or backend, closed first)."""
+        from reamer.serve.profiler import PointSession
+
+        live = _Runs._live.get(id(self.rows))
+        if (live is not None and live is not self) or (self._session is not None and self._session.cores != cores):
+            self.close()
+        if self._session is None:
+            s = self.settings
+            self._session = PointSession(self.model_path, self.backend, cores, self.cpus, warmup_s=s.warmup_s,
+                                         window_s=s.window_s, max_windows=s.max_windows, samples=self.samples,
+                                         precision=self.precision)
+        _Runs._live[id(self.rows)] = self
+        return self._session
+
+    def close(self) -> None:
+        """Kill the search's loaded point worker, this backend's or another's (idempotent)."""
+        for runs in (self, _Runs._live.pop(id(self.rows), self)):
+            session, runs._session = runs._session, None
+            if session is not None:
+                session.close()
 
     def measure(self, cores: int, batch: int) -> ProfilePoint:
-        from reamer.serve.profiler import measure_point
-
         started = time.monotonic()
         point = self.cached.get((cores, batch))
         if point is None:
-            s = self.settings
-            timeout_s = self._timeout_s(self.expected_s(self.batch_ms(cores, batch), 3))
-            point = measure_point(self.model_path, self.backend, cores, batch, self.cpus, warmup_s=s.warmup_s,
-                                  window_s=s.window_s, max_windows=s.max_windows, timeout_s=timeout_s,
-                                  samples=self.samples, precision=self.precision)
+            session = self._point_session(cores)
+            fresh = not session.alive
+            timeout_s = self._timeout_s(self.expected_s(self.batch_ms(cores, batch), 3, fresh))
+            point = session.measure(batch, timeout_s)
             self.new_points.append(point)
-            self._ran(time.monotonic() - started, 1000.0 * batch / max(point.throughput_rps, 1e-9), 3)
+            self._ran(time.monotonic() - started, 1000.0 * batch / max(point.throughput_rps, 1e-9), 3, fresh)
         self.rows.append(MeasurementRow("point", f"1x{cores}:b{batch}{self.suffix}", cores, 1, str(batch),
                                         point.throughput_rps, point.p99_ms, time.monotonic() - started,
                                         (cores, batch) in self.cached, self.backend))
@@ -218,6 +257,7 @@ class _Runs:
     def verify(self, layout: Layout) -> tuple[float, float]:
         from reamer.serve.profiler import measure_layout
 
+        self.close()  # the layout's instances run alone on the cpus: no idle point worker beside them
         latencies = [self.batch_ms(shape.cores, shape.batch) for shape in layout.instances]
         slowest = None if any(lat is None for lat in latencies) else max(latencies)  # type: ignore[type-var]
         if slowest is not None and len(layout.instances) > 1:
@@ -391,6 +431,8 @@ def search_layout(
                 except _BudgetSpent:  # the search itself finished: only the comparison is missing
                     pass
     finally:
+        for r in runs.values():
+            r.close()
         if cache_dir:  # what was measured stays useful, even when the search failed half-way
             for b, r in runs.items():
                 try:
