@@ -148,6 +148,19 @@ def store_points(cache_dir: str | os.PathLike, model_path: str, backend: str, ne
                                      "make the directory writable, or point the cache elsewhere") from None
 
 
+class _PointWorker:
+    """The one point worker a search keeps loaded, shared by the _Runs of its backends: an idle worker of one
+    backend may not hold a cpu or memory while another run measures."""
+
+    def __init__(self) -> None:
+        self.session: "PointSession | None" = None
+
+    def close(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            session.close()
+
+
 class _Runs:
     """The search's measure/verify callbacks: cached points first, every run recorded, a time budget.
 
@@ -155,14 +168,10 @@ class _Runs:
     (reamer.serve.profiler.PointSession); it is closed before a layout runs, before another core count or
     backend is measured, and by close() when the search ends."""
 
-    # id(rows) -> the _Runs of that search whose point worker is alive: the backends' _Runs of one search
-    # share `rows`, and one idle worker may not hold a cpu or memory while another run measures. The entry
-    # holds that _Runs, and with it `rows`, so the id cannot be reused while it is there.
-    _live: dict[int, "_Runs"] = {}
-
     def __init__(self, model_path: str, backend: str, cpus: list[int], settings: MeasureSettings,
                  cached: Sequence[ProfilePoint], deadline: float | None, samples: SampleSpec | None = None,
-                 rows: list[MeasurementRow] | None = None, tag: bool = False, precision: str = "f32") -> None:
+                 rows: list[MeasurementRow] | None = None, tag: bool = False, precision: str = "f32",
+                 worker: _PointWorker | None = None) -> None:
         self.model_path, self.backend, self.cpus, self.settings = model_path, backend, cpus, settings
         self.precision = precision
         self.samples = samples
@@ -172,7 +181,7 @@ class _Runs:
         self.suffix = f"@{backend}" if tag else ""
         self.new_points: list[ProfilePoint] = []
         self.overheads: list[float] = []  # per fresh worker start here: its seconds beyond warm-up and windows
-        self._session: "PointSession | None" = None
+        self.worker = worker or _PointWorker()  # shared by the backends of one search, like `rows`
 
     def _timeout_s(self, expected_s: float = 0.0) -> float:
         """Seconds a run may take; _BudgetSpent when the budget is spent, or would be before a run
@@ -217,27 +226,23 @@ class _Runs:
             self.overheads.append(seconds - (self.expected_s(latency_ms, windows) - self.overhead_s()))
 
     def _point_session(self, cores: int) -> "PointSession":
-        """The worker for points on `cores` cores: the loaded one when it has them, else a new session
-        (the search's other point worker, of another core count or backend, closed first)."""
+        """The worker for points on `cores` cores: the loaded one when it is this backend's on as many cores,
+        else a new one (the search's other point worker closed first)."""
         from reamer.serve.profiler import PointSession
 
-        live = _Runs._live.get(id(self.rows))
-        if (live is not None and live is not self) or (self._session is not None and self._session.cores != cores):
-            self.close()
-        if self._session is None:
+        live = self.worker.session
+        if live is not None and (live.cores != cores or live.config.backend != self.backend):
+            self.worker.close()
+        if self.worker.session is None:
             s = self.settings
-            self._session = PointSession(self.model_path, self.backend, cores, self.cpus, warmup_s=s.warmup_s,
-                                         window_s=s.window_s, max_windows=s.max_windows, samples=self.samples,
-                                         precision=self.precision)
-        _Runs._live[id(self.rows)] = self
-        return self._session
+            self.worker.session = PointSession(self.model_path, self.backend, cores, self.cpus, warmup_s=s.warmup_s,
+                                               window_s=s.window_s, max_windows=s.max_windows,
+                                               samples=self.samples, precision=self.precision)
+        return self.worker.session
 
     def close(self) -> None:
         """Kill the search's loaded point worker, this backend's or another's (idempotent)."""
-        for runs in (self, _Runs._live.pop(id(self.rows), self)):
-            session, runs._session = runs._session, None
-            if session is not None:
-                session.close()
+        self.worker.close()
 
     def measure(self, cores: int, batch: int) -> ProfilePoint:
         started = time.monotonic()
@@ -375,8 +380,10 @@ def search_layout(
         budget_s = None if exhaustive else QUICK_BUDGET_S
     deadline = time.monotonic() + budget_s if budget_s is not None else None
     rows: list[MeasurementRow] = []
+    worker = _PointWorker()
     runs = {b: _Runs(model_path, b, cpus, settings, cached_points(cache_dir, model_path, b, samples, precision),
-                     deadline, samples, rows, tag=len(backends) > 1, precision=precision) for b in backends}
+                     deadline, samples, rows, tag=len(backends) > 1, precision=precision, worker=worker)
+            for b in backends}
     space = count_backend_layouts(n_cores, batches, backends) if not exhaustive else \
         count_layouts(n_cores, batches) * len(backends)
     complete, base, screens = True, None, []
@@ -431,8 +438,7 @@ def search_layout(
                 except _BudgetSpent:  # the search itself finished: only the comparison is missing
                     pass
     finally:
-        for r in runs.values():
-            r.close()
+        worker.close()
         if cache_dir:  # what was measured stays useful, even when the search failed half-way
             for b, r in runs.items():
                 try:
