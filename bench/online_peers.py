@@ -494,8 +494,10 @@ def http_peer_main(doc: dict) -> None:
     info |= {"port": sock.getsockname()[1], "server": f"uvicorn {uvicorn.__version__} (uvloop, httptools, 1 worker) "
                                                        f"+ Starlette"}
     print(json.dumps(info), flush=True)
+    # keep-alive as long as reamer's front door keeps an idle connection (75 s, nginx's default): with uvicorn's
+    # 5 s the client's pooled connections were closed under it at low rates (IncompleteReadError, counted failed)
     config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level="warning", access_log=False,
-                            lifespan="off", backlog=1024)
+                            lifespan="off", backlog=1024, timeout_keep_alive=75)
     uvicorn.Server(config).run(sockets=[sock])
 
 
