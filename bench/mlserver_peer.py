@@ -4,7 +4,9 @@ model, same cpus, same tritonclient load.
 Both servers get the same cpus (default 0-1) and one 1-thread model instance: MLServer 1.7.1 running the
 model in its server process (`parallel_workers: 0`: its parallel inference worker dies at start here, "There is
 no current event loop in thread 'MainThread'") with a ten-line runtime (an onnxruntime InferenceSession, 1 thread, NumpyCodec in and
-out); reamer's job with one instance on the last cpu and its front door on all of them. The client is
+out); reamer's job with one instance on the last cpu (max batch `--max-batch`, 1 by default: MLServer batches
+nothing unless adaptive batching is configured, so both do the same work per request) and its front door on
+all of them. The client is
 tritonclient.http on the first cpu: throughput at concurrency 4 (4 threads, one client each, closed loop) and
 p50 latency at concurrency 1, JSON tensors both ways (what MLServer decodes) and, for reamer, binary tensors
 too. At concurrency 4 the servers take turns round by round; at concurrency 1 request by request (so that other
@@ -117,13 +119,14 @@ def start_mlserver(mlserver: Path, model: str, cpus: list[int], work: Path) -> t
     return proc, port
 
 
-def start_reamer(model: str, cpus: list[int], work: Path,
-                 instance_cpus: list[int] | None = None) -> tuple[subprocess.Popen, int]:
+def start_reamer(model: str, cpus: list[int], work: Path, instance_cpus: list[int] | None = None,
+                 max_batch: int = 1, frontdoor_cpus: list[int] | None = None) -> tuple[subprocess.Popen, int]:
     from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
 
     run_dir = work / "reamer-run"
     spec = JobSpec(name="model", kind="online", model=model, backend="onnxruntime", run_dir=str(run_dir), port=0,
-                   instances=[InstanceSpec(instance_cpus or [cpus[-1]], 1, 4)], frontdoor_cpus=list(cpus),
+                   instances=[InstanceSpec(instance_cpus or [cpus[-1]], 1, max_batch)],
+                   frontdoor_cpus=list(frontdoor_cpus or cpus),
                    host="127.0.0.1")
     spec.save(work / "spec.json")
     proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(work / "spec.json")], cwd=ROOT,
@@ -229,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="also a reamer job whose instance may run on all of --cpus, as MLServer's model does (JSON)")
     p.add_argument("--instance-cpus", default=None,
                    help="reamer's instance cpus (default: the last of --cpus; all of them to float like MLServer's)")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="reamer's instance's max batch (default 1: MLServer batches nothing unless adaptive batching "
+                        "is configured, so both do the same work per request; >1 lets reamer's batcher batch)")
+    p.add_argument("--frontdoor-cpus", default=None,
+                   help="reamer's front door's cpus (default: all of --cpus)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--requests", type=int, default=20)
@@ -259,10 +267,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     cpus = [int(c) for c in args.cpus.split(",")]
     instance_cpus = [int(c) for c in args.instance_cpus.split(",")] if args.instance_cpus else [cpus[-1]]
+    frontdoor_cpus = [int(c) for c in args.frontdoor_cpus.split(",")] if args.frontdoor_cpus else list(cpus)
     mlserver = ensure_venv(Path(args.venv))
     data: dict[str, Any] = {"command": "python bench/mlserver_peer.py " + " ".join(sys.argv[1:]),
                             "machine": machine_info(), "cpus": cpus, "client_cpu": args.client_cpu,
-                            "instance_cpus": instance_cpus,
+                            "instance_cpus": instance_cpus, "max_batch": args.max_batch,
+                            "frontdoor_cpus": frontdoor_cpus,
                             "rounds": args.rounds, "seconds": args.seconds, "rows": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -283,11 +293,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             servers = {}
             try:
                 servers["mlserver"] = start_mlserver(mlserver, model, cpus, work)
-                servers["reamer"] = start_reamer(model, cpus, work, instance_cpus)
+                servers["reamer"] = start_reamer(model, cpus, work, instance_cpus, args.max_batch, frontdoor_cpus)
                 plan = [("mlserver", False), ("reamer", False), ("reamer", True)]
                 if args.floating:
                     (work / "floating").mkdir()
-                    servers[FLOATING] = start_reamer(model, cpus, work / "floating", cpus)
+                    servers[FLOATING] = start_reamer(model, cpus, work / "floating", cpus, args.max_batch)
                     plan.append((FLOATING, False))
                 os.sched_setaffinity(0, [args.client_cpu])
                 cases = {f"{server} {'binary' if binary else 'JSON'}": (servers[server][1], binary)
@@ -318,8 +328,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(data: dict) -> str:
     lines = [f"Command: `{data['command']}` · machine: {data['machine']['cpu_model']}, {data['machine']['cpus']} cpus; "
-             f"servers on cpus {data['cpus']} (reamer's instance on {data.get('instance_cpus', data['cpus'][-1:])}, its front "
-             f"door on all), tritonclient.http on cpu {data['client_cpu']} · {data['rounds']} rounds, {data['seconds']} s "
+             f"servers on cpus {data['cpus']} (reamer's instance on {data.get('instance_cpus', data['cpus'][-1:])}, 1 thread, "
+             f"max batch {data.get('max_batch', 4)}, its front door on {data.get('frontdoor_cpus', data['cpus'])}), tritonclient.http on cpu {data['client_cpu']} · {data['rounds']} rounds, {data['seconds']} s "
              "per server at concurrency 4 (the order turning each round), then concurrency 1 with the servers taking "
              "turns request by request; medians over rounds · load average per row (the machine was shared with other "
              "work).", "",

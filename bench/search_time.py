@@ -73,7 +73,8 @@ def probe(backend: str, path: str, cpus: list[int]) -> dict[str, float]:
 
 
 class WorkerClock:
-    """Wraps reamer.serve.profiler.ProfileWorker to time every worker: spawn → READY → GO → RESULT."""
+    """Wraps reamer.serve.profiler.ProfileWorker to time every worker: spawn → READY → GO → RESULT (or, on a
+    worker kept loaded by a PointSession, RUN → RESULT per point)."""
 
     def __init__(self) -> None:
         self.workers: list[dict[str, Any]] = []
@@ -124,6 +125,29 @@ class WorkerClock:
 
         cls.__init__, cls.wait_ready, cls.go, cls.result = timed_init, timed_ready, timed_go, timed_result
         profiler._run_workers = timed_run_workers
+
+        # points measured on a worker kept loaded between batches (PointSession): start-up only when the
+        # session spawned one for this point; "windows" = RUN -> RESULT (re-warm-up on a new batch included)
+        measure, run_batch = profiler.PointSession.measure, cls.run_batch
+
+        def timed_run_batch(worker, batch, *a, **k):  # type: ignore[no-untyped-def]
+            worker._clock["go"] = time.monotonic()
+            res = run_batch(worker, batch, *a, **k)
+            worker._clock.update({"result": time.monotonic(), "batch": batch, "windows": len(res.window_rps),
+                                  "measured_s": res.measured_s, "stable": res.stable})
+            return res
+
+        def timed_measure(session, batch, *a, **k):  # type: ignore[no-untyped-def]
+            began, known = time.monotonic(), len(clock.workers)
+            point = measure(session, batch, *a, **k)
+            w = session._worker._clock
+            fresh = len(clock.workers) > known
+            clock.runs.append({"start_load_warm_s": w["ready"] - w["spawn"] if fresh else 0.0,
+                               "windows_s": w["result"] - w["go"], "total_s": time.monotonic() - began,
+                               "fixed": False, "instances": 1, "reused_worker": not fresh})
+            return point
+
+        cls.run_batch, profiler.PointSession.measure = timed_run_batch, timed_measure
 
 
 CLOCK = WorkerClock()
