@@ -134,7 +134,9 @@ class WorkerClock:
             worker._clock["go"] = time.monotonic()
             res = run_batch(worker, batch, *a, **k)
             worker._clock.update({"result": time.monotonic(), "batch": batch, "windows": len(res.window_rps),
-                                  "measured_s": res.measured_s, "stable": res.stable})
+                                  "measured_s": res.measured_s, "stable": res.stable,
+                                  "batch_ms": (sum(res.latencies_ms) / len(res.latencies_ms)) if res.latencies_ms
+                                  else None})
             return res
 
         def timed_measure(session, batch, *a, **k):  # type: ignore[no-untyped-def]
