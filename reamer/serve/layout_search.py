@@ -357,7 +357,8 @@ def search_layout(
     drop_margin: float = 0.15,
     precision: str = "f32",
 ) -> LayoutSearchOutcome:
-    """Find the best layout for the model on all of `cpus` (one core per cpu), measured on them.
+    """Find the best layout for the model on all of `cpus` (one core per cpu), measured on them. With `slo_ms`
+    (an online job's SLO) every layout is judged on its batch p99 against half of it (batch_latency_target_ms).
 
     `backend`: "onnxruntime", "openvino", or "auto" (every installed backend: screened on a few points,
     the ones more than `drop_margin` behind dropped, the rest searched; the best layout names its
@@ -467,7 +468,8 @@ def search_layout(
     chosen = (best.layout.backend if best is not None else None) or backends[0]
     return LayoutSearchOutcome(result=result, best=best, candidates=candidates, rows=rows, baseline=base,
                                gain=gain, points=runs[chosen].points(), new_points=list(runs[chosen].new_points),
-                               from_cache=not any(r.new_points for r in runs.values()), complete=complete, cpus=cpus, batch_target_ms=target_ms,
+                               from_cache=not any(r.new_points for r in runs.values()), complete=complete, cpus=cpus,
+                               batch_target_ms=target_ms,
                                backend=chosen, backends=backends, screens=screens,
                                points_by_backend={b: r.points() for b, r in runs.items()})
 
