@@ -39,8 +39,7 @@ def admit(candidate: Candidate | None, rate_rps: float, slo_ms: float, margin: f
             "relax the SLO, or free cores (detach a training job)",
         )
     achievable = candidate.rps * (1.0 - margin)
-    target = batch_latency_target_ms(slo_ms)
-    assert target is not None
+    target = slo_ms * BATCH_SHARE_OF_SLO
     if candidate.p99_ms > target:
         return AdmissionDecision(
             False, achievable,
