@@ -4,7 +4,7 @@ tritonclient does): the job's Server-Timing (queue wait, backend compute, total 
 client's cpu per request, and the instance's busy fraction (sum of compute / wall time; with max batch > 1 a
 batch's compute is counted once per request in it, so read it at max batch 1).
 
-    .venv/bin/python bench/frontdoor_dispatch_gap.py [--max-batch 1] [--seconds 10]
+    .venv/bin/python bench/json_request_breakdown.py [--max-batch 1] [--seconds 10]
 """
 from __future__ import annotations
 
