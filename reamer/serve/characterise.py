@@ -161,13 +161,11 @@ def characterise(model_path: str | os.PathLike, backend: str = "onnxruntime", cp
             errno, reason = exc.errno, exc.message
 
     reason_line = _counters_unavailable_once(errno, reason)
-    kw = dict(warmup_s=warmup_s, window_s=window_s, max_windows=max_windows, timeout_s=timeout_s, samples=samples,
-              precision=precision)
     points = []
-    for batch in batches:
-        points.append(profiler.measure_point(model, backend, 1, batch, cpus, **kw))
-        if wide > 1:
-            points.append(profiler.measure_point(model, backend, wide, batch, cpus, **kw))
+    for cores in ([1, wide] if wide > 1 else [1]):  # one loaded worker walks the batches of each width
+        with profiler.PointSession(model, backend, cores, cpus, warmup_s=warmup_s, window_s=window_s,
+                                   max_windows=max_windows, samples=samples, precision=precision) as session:
+            points += [session.measure(batch, timeout_s) for batch in batches]
     if wide == 1:
         evidence = [reason_line, "only one cpu: scaling cannot be measured; scale-out (single-core instances) "
                                  "is the only layout anyway"]

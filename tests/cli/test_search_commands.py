@@ -219,13 +219,13 @@ def test_profile_measures_at_the_precision_asked(tiny, monkeypatch):
     from reamer.serve import profiler
 
     asked = []
-    real = profiler.measure_point
+    real = profiler.PointSession.__init__
 
-    def recording(*args, **kw):
+    def recording(self, *args, **kw):
         asked.append(kw.get("precision"))
-        return real(*args, **kw)
+        real(self, *args, **kw)
 
-    monkeypatch.setattr(profiler, "measure_point", recording)
+    monkeypatch.setattr(profiler.PointSession, "__init__", recording)
     result = CliRunner().invoke(cli, ["-o", "json", "profile", tiny, "--backend", "openvino", "--precision", "bf16",
                                       "--cpus", "0", "--batches", "1", *FAST])
     assert result.exit_code == 0, result.output
