@@ -221,7 +221,7 @@ def _schedule(rate: float, duration: float, seed: int) -> list[float]:
 
 def _ov_throughput(model_path: str, feeds: dict[str, np.ndarray]):
     """OpenVINO's THROUGHPUT hint at f32 on the request shapes: (model, compiled, its optimal request count,
-    an AsyncInferQueue of that many requests)."""
+    an AsyncInferQueue of that many requests, what it chose for the run's JSON)."""
     import openvino as ov
     import openvino.properties.hint as hints
 
@@ -231,72 +231,86 @@ def _ov_throughput(model_path: str, feeds: dict[str, np.ndarray]):
     compiled = core.compile_model(model, "CPU", {hints.performance_mode(): hints.PerformanceMode.THROUGHPUT,
                                                  hints.inference_precision(): ov.Type.f32})
     nireq = int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
-    return model, compiled, nireq, ov.AsyncInferQueue(compiled, nireq)
+    info = {"streams": int(compiled.get_property("NUM_STREAMS")), "requests": nireq,
+            "threads": int(compiled.get_property("INFERENCE_NUM_THREADS")),
+            "precision": str(compiled.get_property("INFERENCE_PRECISION_HINT"))}
+    return model, compiled, nireq, ov.AsyncInferQueue(compiled, nireq), info
+
+
+def _ov_closed_loop(queue, arrays: list[np.ndarray], seconds: float) -> float:
+    """Requests/s with every infer request kept busy for `seconds` (the queue's callback sees userdata None)."""
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        queue.start_async(arrays, None)
+        n += 1
+    queue.wait_all()
+    return n / (time.perf_counter() - start)
+
+
+def _ort_default(doc: dict):
+    """ONNX Runtime's default session (all cores, spinning): (session, output names, what it chose)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(doc["model"], providers=["CPUExecutionProvider"])  # its defaults
+    info = {"threads": session.get_session_options().intra_op_num_threads or len(doc["cpus"])}
+    return session, [o.name for o in session.get_outputs()], info
+
+
+def _sync_closed_loop(run_once: Callable[[], Any], seconds: float) -> float:
+    """Requests/s of `run_once` back to back for `seconds` (at least once)."""
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or n == 0:
+        run_once()
+        n += 1
+    return n / (time.perf_counter() - start)
+
+
+def _paced(times: list[float], start: float, give_up: float, submit: Callable[[int], None]) -> list[str]:
+    """Submit request i at start + times[i]; those not submitted by `give_up` are "error"."""
+    status = ["ok"] * len(times)
+    for i, t in enumerate(times):
+        delay = start + t - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        if time.perf_counter() > give_up:
+            status[i:] = ["error"] * (len(times) - i)
+            break
+        submit(i)
+    return status
 
 
 def peer_main(doc: dict) -> None:
     """The peer process: set up, report closed-loop throughput, then answer one step per stdin line."""
     os.sched_setaffinity(0, doc["cpus"])  # before the runtime starts its threads
     feeds = _feeds(doc["model"])
+    done_at: list[float] = []
     if doc["kind"] == "ov-throughput-f32":
-        model, compiled, nireq, queue = _ov_throughput(doc["model"], feeds)
+        model, _, _, queue, info = _ov_throughput(doc["model"], feeds)
         arrays = [feeds[p.get_any_name()] for p in model.inputs]
-        done_at: list[float] = []
-        queue.set_callback(lambda request, i: done_at.__setitem__(i, time.perf_counter()))
-        info = {"streams": int(compiled.get_property("NUM_STREAMS")), "requests": nireq,
-                "threads": int(compiled.get_property("INFERENCE_NUM_THREADS")),
-                "precision": str(compiled.get_property("INFERENCE_PRECISION_HINT"))}
+        queue.set_callback(lambda request, i: i is None or done_at.__setitem__(i, time.perf_counter()))
 
         def serve(times: list[float], start: float, give_up: float) -> list[str]:
             done_at[:] = [math.nan] * len(times)
-            status = ["ok"] * len(times)
-            for i, t in enumerate(times):
-                delay = start + t - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                if time.perf_counter() > give_up:
-                    status[i:] = ["error"] * (len(times) - i)
-                    break
-                queue.start_async(arrays, i)  # blocks while every infer request is busy: the FIFO in front
+            # start_async blocks while every infer request is busy: the FIFO in front
+            status = _paced(times, start, give_up, lambda i: queue.start_async(arrays, i))
             queue.wait_all()
             return status
 
         def closed_loop(seconds: float) -> float:
-            n, start = 0, time.perf_counter()
-            done_at[:] = [0.0] * 4096
-            while time.perf_counter() - start < seconds:
-                queue.start_async(arrays, n % 4096)
-                n += 1
-            queue.wait_all()
-            return n / (time.perf_counter() - start)
+            return _ov_closed_loop(queue, arrays, seconds)
     elif doc["kind"] == "ort-default":
-        import onnxruntime as ort
+        session, names, info = _ort_default(doc)
 
-        session = ort.InferenceSession(doc["model"], providers=["CPUExecutionProvider"])  # its defaults
-        names = [o.name for o in session.get_outputs()]
-        info = {"threads": session.get_session_options().intra_op_num_threads or len(doc["cpus"])}
-        done_at = []
+        def submit(i: int) -> None:
+            session.run(names, feeds)
+            done_at[i] = time.perf_counter()
 
         def serve(times: list[float], start: float, give_up: float) -> list[str]:
             done_at[:] = [math.nan] * len(times)
-            status = ["ok"] * len(times)
-            for i, t in enumerate(times):
-                delay = start + t - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                if time.perf_counter() > give_up:
-                    status[i:] = ["error"] * (len(times) - i)
-                    break
-                session.run(names, feeds)
-                done_at[i] = time.perf_counter()
-            return status
+            return _paced(times, start, give_up, submit)
 
         def closed_loop(seconds: float) -> float:
-            n, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds or n == 0:
-                session.run(names, feeds)
-                n += 1
-            return n / (time.perf_counter() - start)
+            return _sync_closed_loop(lambda: session.run(names, feeds), seconds)
     else:
         raise SystemExit(f"unknown peer {doc['kind']}")
     closed_loop(doc["warmup_s"])
@@ -389,7 +403,7 @@ def _http_runtime(doc: dict, feeds: dict[str, np.ndarray]):
     import concurrent.futures
 
     if doc["kind"] == "ov-throughput-f32":
-        model, compiled, nireq, queue = _ov_throughput(doc["model"], feeds)
+        model, compiled, nireq, queue, info = _ov_throughput(doc["model"], feeds)
         in_names = [p.get_any_name() for p in model.inputs]
         import onnx
 
@@ -397,12 +411,11 @@ def _http_runtime(doc: dict, feeds: dict[str, np.ndarray]):
         # the ONNX output names, as the client asks for them (OpenVINO may list another of a tensor's names first)
         out_names = [next((n for n in sorted(o.get_names()) if n in graph_outputs), o.get_any_name())
                      for o in compiled.outputs]
-        info = {"streams": int(compiled.get_property("NUM_STREAMS")), "requests": nireq,
-                "threads": int(compiled.get_property("INFERENCE_NUM_THREADS")),
-                "precision": str(compiled.get_property("INFERENCE_PRECISION_HINT"))}
         free: list[asyncio.Semaphore] = []  # made on the server's loop
 
         def finished(request, userdata) -> None:  # an OpenVINO thread: copy out, hand over to the loop
+            if userdata is None:  # a closed-loop run's request: nobody waits for it
+                return
             loop, future = userdata
             outs = {n: request.get_output_tensor(i).data.copy() for i, n in enumerate(out_names)}
             loop.call_soon_threadsafe(_settle, future, outs)
@@ -424,21 +437,9 @@ def _http_runtime(doc: dict, feeds: dict[str, np.ndarray]):
             return await future
 
         def closed_loop(seconds: float) -> float:
-            n, start = 0, time.perf_counter()
-            arrays = [feeds[n] for n in in_names]
-            queue.set_callback(lambda request, userdata: None)
-            while time.perf_counter() - start < seconds:
-                queue.start_async(arrays)
-                n += 1
-            queue.wait_all()
-            queue.set_callback(finished)
-            return n / (time.perf_counter() - start)
+            return _ov_closed_loop(queue, [feeds[n] for n in in_names], seconds)
     elif doc["kind"] == "ort-default":
-        import onnxruntime as ort
-
-        session = ort.InferenceSession(doc["model"], providers=["CPUExecutionProvider"])  # its defaults
-        out_names = [o.name for o in session.get_outputs()]
-        info = {"threads": session.get_session_options().intra_op_num_threads or len(doc["cpus"])}
+        session, out_names, info = _ort_default(doc)
         worker = concurrent.futures.ThreadPoolExecutor(1)  # one at a time, in arrival order
 
         async def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -446,11 +447,7 @@ def _http_runtime(doc: dict, feeds: dict[str, np.ndarray]):
             return dict(zip(out_names, outs))
 
         def closed_loop(seconds: float) -> float:
-            n, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds or n == 0:
-                session.run(out_names, feeds)
-                n += 1
-            return n / (time.perf_counter() - start)
+            return _sync_closed_loop(lambda: session.run(out_names, feeds), seconds)
     else:
         raise SystemExit(f"unknown peer {doc['kind']}")
     return run, closed_loop, info, out_names
