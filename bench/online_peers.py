@@ -329,6 +329,17 @@ def peer_main(doc: dict) -> None:
                           "cpu_s": time.process_time() - cpu0}), flush=True)
 
 
+def _stop(proc: subprocess.Popen, ask: Callable[[], None], grace_s: float) -> None:
+    """`ask` the process to end, wait `grace_s`, then kill it."""
+    if proc.poll() is None:
+        ask()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class PeerServer:
     """A peer process kept up for all the steps of one model."""
 
@@ -354,47 +365,37 @@ class PeerServer:
                          got["cpu_s"] * 1e3 / n, "" if "error" not in got["status"] else "not started in time")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _stop(self.proc, self.proc.stdin.close, 30)  # end of its step lines: it exits
 
 
 # --- the peers over HTTP: the server a user would write in front of each runtime --------------------------
 
-def parse_binary_request(body: bytes, header_length: int) -> tuple[dict[str, np.ndarray], list[str]]:
-    """A v2 infer request with binary inputs: (inputs by name, the output names asked for; empty: all)."""
+def _binary_tensors(body: bytes, header_length: int, specs: list[dict]) -> dict[str, np.ndarray]:
+    """The tensors `specs` (a v2 header's inputs or outputs) name, read from the binary part in their order."""
     from reamer.serve.tensors import v2_to_numpy
 
-    head = json.loads(body[:header_length])
-    declared = sum(int(spec["parameters"]["binary_data_size"]) for spec in head["inputs"])
-    if header_length + declared != len(body):
-        raise ValueError(f"the request's binary part holds {len(body) - header_length} bytes, its header names "
-                         f"{declared}")
-    inputs, at = {}, header_length
-    for spec in head["inputs"]:
-        size = int(spec["parameters"]["binary_data_size"])
-        dtype = v2_to_numpy(spec["datatype"])
-        inputs[spec["name"]] = np.frombuffer(body, dtype, size // dtype.itemsize, at).reshape(spec["shape"])
-        at += size
-    return inputs, [o["name"] for o in head.get("outputs", [])]
-
-
-def parse_binary_response(body: bytes, header_length: int) -> dict[str, np.ndarray]:
-    """The outputs of a v2 infer response with binary outputs (what the HTTP peers answer)."""
-    from reamer.serve.tensors import v2_to_numpy
-
-    head = json.loads(body[:header_length])
     out, at = {}, header_length
-    for spec in head["outputs"]:
+    for spec in specs:
         size = int(spec["parameters"]["binary_data_size"])
         dtype = v2_to_numpy(spec["datatype"])
         out[spec["name"]] = np.frombuffer(body, dtype, size // dtype.itemsize, at).reshape(spec["shape"])
         at += size
     return out
+
+
+def parse_binary_request(body: bytes, header_length: int) -> tuple[dict[str, np.ndarray], list[str]]:
+    """A v2 infer request with binary inputs: (inputs by name, the output names asked for; empty: all)."""
+    head = json.loads(body[:header_length])
+    declared = sum(int(spec["parameters"]["binary_data_size"]) for spec in head["inputs"])
+    if header_length + declared != len(body):
+        raise ValueError(f"the request's binary part holds {len(body) - header_length} bytes, its header names "
+                         f"{declared}")
+    return _binary_tensors(body, header_length, head["inputs"]), [o["name"] for o in head.get("outputs", [])]
+
+
+def parse_binary_response(body: bytes, header_length: int) -> dict[str, np.ndarray]:
+    """The outputs of a v2 infer response with binary outputs (what the HTTP peers answer)."""
+    return _binary_tensors(body, header_length, json.loads(body[:header_length])["outputs"])
 
 
 def _http_runtime(doc: dict, feeds: dict[str, np.ndarray]):
@@ -557,13 +558,7 @@ class HttpPeerServer:
         return lean_step(self.port, self.request, rate, duration, seed, give_up_s)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _stop(self.proc, self.proc.terminate, 30)
 
 
 def answer_check(got: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -718,13 +713,7 @@ class ReamerJob:
 
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _stop(self.proc, self.proc.terminate, 60)
 
 
 # --- one model ----------------------------------------------------------------------------------------------
