@@ -12,8 +12,8 @@ says READY, waits for GO, then runs closed-loop batches in windows:
 p99 is pooled over the batch latencies of all measured windows.
 
 After READY the worker reads commands on stdin: `GO` measures the configured batch, says RESULT and
-exits (layouts, measure_point); `RUN {"batch": B}` measures batch B in point mode on the same loaded
-model, re-warming first when B is new to it, says RESULT and waits for the next command (PointSession);
+exits (the instances of a layout); `RUN {"batch": B}` measures batch B in point mode on the same loaded
+model, re-warming first when B is new to it, says RESULT and waits for the next command (PointSession, measure_point);
 `EXIT` or end of input ends it.
 
 Top-level imports here are standard library only, because this module is also the worker's entry point.
@@ -243,29 +243,19 @@ def measure_point(model_path: str | os.PathLike, backend: str, cores: int, batch
                   streams: int = 1, precision: str = "f32") -> "ProfilePoint":
     """One instance with `cores` cores (`threads`, default = cores, in `streams` streams) and batch `batch`, alone
     on the first `cores` of `cpus`, fed by `samples` (the traffic's shapes and data; default: reamer.serve.samples'
-    rule), computing at the job's `precision`."""
-    from reamer.plan.partition import ProfilePoint
-
-    cfg = _point_config(model_path, backend, cores, batch, cpus, warmup_s, window_s, max_windows, stability,
-                        samples, threads, streams, precision)
-    (res,) = _run_workers([cfg], timeout_s)
-    return ProfilePoint(cores=cores, batch=batch, throughput_rps=res.throughput_rps, p99_ms=p99(res.latencies_ms))
-
-
-def _point_config(model_path: str | os.PathLike, backend: str, cores: int, batch: int, cpus: Sequence[int] | None,
-                  warmup_s: float, window_s: float, max_windows: int, stability: float,
-                  samples: "SampleSpec | None", threads: int | None, streams: int, precision: str) -> WorkerConfig:
+    rule), computing at the job's `precision`: a PointSession's one measurement."""
     if cores < 1 or batch < 1:
         raise ProfileError(f"cores ({cores}) and batch ({batch}) must be >= 1", "pass positive values")
-    chosen = _usable_cpus(cpus, cores)[:cores]
-    return WorkerConfig(os.fspath(model_path), backend, chosen, threads or cores, batch, warmup_s, window_s,
-                        max(3, max_windows), stability, samples=_doc(samples), streams=streams, precision=precision)
+    with PointSession(model_path, backend, cores, cpus, warmup_s=warmup_s, window_s=window_s,
+                      max_windows=max_windows, stability=stability, samples=samples, threads=threads,
+                      streams=streams, precision=precision) as session:
+        return session.measure(batch, timeout_s)
 
 
 class PointSession:
     """Single-instance points of one shape (model, backend, cores, threads, streams, precision, samples) at
     any batch, from one worker process kept loaded between them: the process start, imports, model load
-    and first warm-up are paid once, a new batch only re-warms. Measures exactly as measure_point does.
+    and first warm-up are paid once, a new batch only re-warms (measure_point is one such measurement).
 
     A measurement that fails (the worker died, timed out or refused the batch) raises ProfileError and
     drops that worker; the next measurement starts a fresh one. close() kills the worker."""
@@ -274,9 +264,12 @@ class PointSession:
                  *, warmup_s: float = 1.0, window_s: float = 0.5, max_windows: int = 10, stability: float = 0.10,
                  samples: "SampleSpec | None" = None, threads: int | None = None, streams: int = 1,
                  precision: str = "f32") -> None:
+        if cores < 1:
+            raise ProfileError(f"cores ({cores}) must be >= 1", "pass a positive core count")
         self.cores = cores
-        self.config = _point_config(model_path, backend, cores, 1, cpus, warmup_s, window_s, max_windows,
-                                    stability, samples, threads, streams, precision)
+        self.config = WorkerConfig(os.fspath(model_path), backend, _usable_cpus(cpus, cores)[:cores], threads or cores,
+                                   1, warmup_s, window_s, max(3, max_windows), stability, samples=_doc(samples),
+                                   streams=streams, precision=precision)
         self.pids: list[int] = []  # every worker process this session started, in order
         self._worker: ProfileWorker | None = None
 
@@ -395,7 +388,7 @@ def _worker_main(config_json: str) -> int:
     warm_batch = cfg.batch
     while True:
         command, _, payload = sys.stdin.readline().strip().partition(" ")
-        if command == "GO":  # one measurement of the configured batch, then exit (layouts, single points)
+        if command == "GO":  # one measurement of the configured batch, then exit (the instances of a layout)
             res = _measure(backend, feeds, cfg, cfg.batch, _rows(plan, feeds))
             backend.close()
             _emit("RESULT", asdict(res))
