@@ -5,6 +5,7 @@ client's cpu per request, and the instance's busy fraction (sum of compute / wal
 batch's compute is counted once per request in it, so read it at max batch 1).
 
     .venv/bin/python bench/json_request_breakdown.py [--max-batch 1] [--seconds 10]
+    .venv/bin/python bench/json_request_breakdown.py --decode   # the front door's decode of one such body alone
 """
 from __future__ import annotations
 
@@ -55,6 +56,24 @@ def drive(port: int, body_of, seconds: float, concurrency: int = 4) -> list[tupl
     return records
 
 
+def decode_cost(body: bytes, inputs: list, outputs: list, repeats: int = 21) -> dict[str, float]:
+    """Median cpu ms of the front door's decode_request on `body`, and of orjson.loads alone (its parse)."""
+    import orjson
+
+    from reamer.serve.frontdoor import decode_request
+
+    def cpu_ms(fn) -> float:
+        spent = []
+        for _ in range(repeats):
+            began = time.process_time()
+            fn()
+            spent.append(time.process_time() - began)
+        return round(statistics.median(spent) * 1e3, 2)
+
+    return {"decode_request": cpu_ms(lambda: decode_request(body, None, inputs, outputs, {})),
+            "orjson.loads": cpu_ms(lambda: orjson.loads(body))}
+
+
 def main() -> int:
     from mlserver_peer import start_reamer, stop
     from search_calibration import model_file
@@ -64,11 +83,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-batch", type=int, default=1)
     p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--decode", action="store_true", help="only time the front door's decode of one request body")
     args = p.parse_args()
     model = str(model_file("resnet50", {}, Path("/tmp/reamer-bench-models")))
     with open_backend("onnxruntime", model, 1) as backend:
         inputs = sample_inputs(backend, 1, np.random.default_rng(0))
         outputs = [o.name for o in backend.outputs]
+        signature = (backend.inputs, backend.outputs)
     name, arr = next(iter(inputs.items()))
     data = arr.reshape(-1).tolist()
 
@@ -76,6 +97,10 @@ def main() -> int:
         return {"inputs": [{"name": name, "shape": list(arr.shape), "datatype": "FP32", "data": data}],
                 "outputs": [{"name": o, "parameters": {"binary_data": False}} for o in outputs]}
 
+    if args.decode:
+        body = json.dumps(body_of()).encode()
+        print(f"{len(body) / 1e6:.2f} MB body, cpu ms (medians): {decode_cost(body, *signature)}")
+        return 0
     proc, port = start_reamer(model, [0, 1], Path(tempfile.mkdtemp()), [1], args.max_batch)
     try:
         os.sched_setaffinity(0, [0])
