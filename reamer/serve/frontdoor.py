@@ -23,9 +23,9 @@ body over the size limit with 413.
 Hostile clients are bounded (DoorLimits, set from the agent config's `inference:` section through the job
 spec): header, body, idle and send timeouts, a connection cap, URL and header size limits, pipelining
 bounded by count and bytes, a cap on request bytes held by all connections, and back-pressure on a client
-that does not read its answers. JSON is parsed and written with orjson, off the event loop above a size; the
-flat float `data` list of a large body goes into numpy without numpy's type discovery once the body is shown
-to hold no strings in its data lists (`_plain_data`), with the same arrays and messages as the general path.
+that does not read its answers. JSON is parsed and written with orjson, off the event loop above a size; a
+large body is read with simdjson, whose flat float `data` lists go into numpy without a Python float per value
+(`json_body`), with the same arrays and messages as the general path.
 A malformed request is a 4xx whose message names the field, logged in one line (rate-limited).
 """
 from __future__ import annotations
@@ -48,6 +48,7 @@ import numpy as np
 import orjson
 
 from reamer.host.errors import ReamerError
+from reamer.serve.json_body import FloatData, read_large_request
 from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded, RequestTiming
 from reamer.serve.tensors import TensorInfo, UnsupportedDatatype, numpy_to_v2, v2_to_numpy
 from reamer.serve.v2wire import (HEADER_LENGTH, SERVER_NAME, SERVER_VERSION, ReplyPlan, binary_body, http_head,
@@ -103,7 +104,7 @@ class RequestPlan:
 
 
 PLAN_CACHE_SIZE = 256
-PLAIN_CHECK_BYTES = 1 << 16  # JSON bodies larger than this try the fast read of float data (`_flat_floats`)
+LARGE_JSON_BYTES = 1 << 16  # JSON bodies larger than this are read with simdjson (`json_body`)
 
 
 def describe_tensors(tensors: list[TensorInfo]) -> str:
@@ -144,52 +145,11 @@ _INT_RANGES = {np.dtype(t): np.iinfo(t) for t in (np.int8, np.int16, np.int32, n
                                                  np.uint8, np.uint16, np.uint32, np.uint64)}
 
 
-def _plain_data(head: bytes, req: dict) -> bool:
-    """Whether no `data` list of the parsed request `req` holds a JSON string: the body's quote characters
-    are exactly those of the request without its data lists. Only a body without backslashes is
-    compared (then every string is written as orjson writes it); any doubt is False."""
-    if b"\\" in head:
-        return False
-    skeleton = {**req, "inputs": [{**item, "data": []} if isinstance(item, dict) and "data" in item else item
-                                  for item in req["inputs"]]}
+def _json_tensor(data: Any, dtype: np.dtype, where: str, datatype: str) -> np.ndarray:
+    """The flat array of a JSON `data` list (or of its numbers already read, FloatData), checked: numbers
+    only, integers in range, floats finite."""
     try:
-        expected = orjson.dumps(skeleton).count(b'"')
-    except orjson.JSONEncodeError:
-        return False
-    found, at = 0, head.find(b'"')
-    while at >= 0 and found <= expected:  # memchr jumps: a fraction of a pass over the body's bytes
-        found += 1
-        at = head.find(b'"', at + 1)
-    return found == expected
-
-
-def _flat_floats(data: Any, dtype: np.dtype) -> np.ndarray | None:
-    """A flat list of JSON numbers that starts with a float, read for a float datatype straight into
-    float64 without numpy's type and shape discovery (np.asarray spends twice the time on a 224x224x3
-    image); None where it might not read exactly as `_json_tensor`'s general path would (a nested list,
-    a null, an integer outside int64, a value past the datatype's range), which then decides.
-    The caller has ruled out strings (see `_plain_data`), which np.fromiter would convert."""
-    if dtype.kind != "f" or type(data) is not list or not data or type(data[0]) is not float:
-        return None
-    try:
-        raw = np.fromiter(data, np.float64, len(data))
-    except (TypeError, ValueError, OverflowError):
-        return None
-    peak = max(raw.max(), -raw.min())  # nan when any is (a null); no |raw| array to allocate
-    if not (peak < 2.0**63 and peak <= _FLOAT_MAX[dtype]):  # also False for nan (a null)
-        return None
-    return raw.astype(dtype, copy=False)
-
-
-def _json_tensor(data: Any, dtype: np.dtype, where: str, datatype: str, plain: bool = False) -> np.ndarray:
-    """The flat array of a JSON `data` list, checked: numbers only, integers in range, floats finite.
-    `plain`: the data holds no strings (see `_plain_data`)."""
-    if plain:
-        fast = _flat_floats(data, dtype)
-        if fast is not None:
-            return fast
-    try:
-        raw = np.asarray(data)
+        raw = data.values if isinstance(data, FloatData) else np.asarray(data)
     except (TypeError, ValueError, OverflowError) as exc:
         raise BadRequest(f"{where}.data cannot be read as {datatype} ({exc})",
                          f"send a flat or evenly nested list of {datatype} numbers") from None
@@ -235,16 +195,20 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
         head, blob = body[:header_length], memoryview(body)[header_length:]
     else:
         head, blob = body, memoryview(b"")
-    if plans is not None and (header_length is not None or len(head) <= PLAIN_CHECK_BYTES):
+    if plans is not None and (header_length is not None or len(head) <= LARGE_JSON_BYTES):
         # (a large JSON body is never a cached plan's header: hashing it would cost a pass over its bytes)
         plan = plans.get(head)
         if plan is not None and plan.blob_size == len(blob):
             return plan.decode(blob)
-    try:
-        req = orjson.loads(head)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON ({exc})",
-                         f"send a JSON object, or set {HEADER_LENGTH} when binary tensors follow") from None
+    req = None
+    if len(head) > LARGE_JSON_BYTES:
+        req = read_large_request(head, {t.name for t in model_inputs if t.datatype.startswith("FP")})
+    if req is None:
+        try:
+            req = orjson.loads(head)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON ({exc})",
+                             f"send a JSON object, or set {HEADER_LENGTH} when binary tensors follow") from None
     if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
         raise BadRequest('request has no "inputs" list', 'send {"inputs": [{"name", "shape", "datatype", "data"}]}')
     req_id = req.get("id")
@@ -254,7 +218,6 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
     inputs: dict[str, np.ndarray] = {}
     binary: list[_BinaryInput] = []
     offset = 0
-    plain: bool | None = None  # whether the data lists hold no strings: checked at the first JSON input
     for i, item in enumerate(req["inputs"]):
         where = f"inputs[{i}]"
         if not isinstance(item, dict):
@@ -310,9 +273,7 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
             if "data" not in item:
                 raise BadRequest(f"{where} has neither data nor binary_data_size",
                                  'add "data" (flat or nested list) or send it binary')
-            if plain is None:
-                plain = len(head) > PLAIN_CHECK_BYTES and _plain_data(head, req)
-            arr = _json_tensor(item["data"], dtype, where, datatype, plain)
+            arr = _json_tensor(item["data"], dtype, where, datatype)
             if arr.size != count:
                 raise BadRequest(f"{where}: {arr.size} values do not fill shape {shape} ({count} values)",
                                  "send as many values as the shape holds")
