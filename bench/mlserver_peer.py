@@ -251,12 +251,35 @@ def load(port: int, inputs: dict[str, np.ndarray], outputs: list[str], tensors: 
         close()
     stop_at[0] = time.perf_counter() + seconds + 1.0
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
-    started = time.perf_counter()
+    started, cpu, busy = time.perf_counter(), os.times(), _cpu_busy()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return {"rps": sum(done) / (time.perf_counter() - started), "errors": len(errors)}
+    used, served = os.times(), sum(done)
+    client_cpu = used.user + used.system - cpu.user - cpu.system  # this process: only the client threads run in it
+    return {"rps": served / (time.perf_counter() - started), "errors": len(errors),
+            "client_cpu_ms": round(client_cpu / max(served, 1) * 1e3, 1),
+            "client_cpu_busy": round(_busy_since(busy, os.sched_getaffinity(0)), 3)}
+
+
+def _cpu_busy() -> dict[int, tuple[int, int]]:
+    """(busy, all) jiffies per cpu from /proc/stat."""
+    out = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *values = line.split()
+            if name.startswith("cpu") and name[3:].isdigit():
+                ticks = [int(v) for v in values]
+                out[int(name[3:])] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))  # less idle and iowait
+    return out
+
+
+def _busy_since(before: dict[int, tuple[int, int]], cpus: set[int]) -> float:
+    """How busy `cpus` were (anything running on them) since `before`."""
+    now = _cpu_busy()
+    busy = sum(now[c][0] - before[c][0] for c in cpus)
+    return busy / max(sum(now[c][1] - before[c][1] for c in cpus), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,7 +371,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     c1 = latencies({key: cases[key] for key in keys}, inputs, outputs, args.requests)
                     for key in cases:
                         row["runs"].setdefault(key, []).append({"rps_c4": c4[key]["rps"], "errors": c4[key]["errors"],
-                                                                "p50_ms_c1": c1[key]})
+                                                                "p50_ms_c1": c1[key],
+                                                                "client_cpu_ms": c4[key]["client_cpu_ms"],
+                                                                "client_cpu_busy": c4[key]["client_cpu_busy"]})
                         print(f"  {name} {key}: {c4[key]['rps']:.2f}/s at c4, p50 {c1[key]:.1f} ms at c1", flush=True)
             except Exception as exc:  # noqa: BLE001 - one model failing must not lose the others' figures
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -356,8 +381,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 os.sched_setaffinity(0, sorted(set(cpus) | {args.client_cpu}))
                 for proc, _ in servers.values():
                     stop(proc)
-        row["median"] = {k: {"rps_c4": statistics.median(x["rps_c4"] for x in v),
-                             "p50_ms_c1": statistics.median(x["p50_ms_c1"] for x in v)}
+        row["median"] = {k: {m: statistics.median(x[m] for x in v)
+                             for m in ("rps_c4", "p50_ms_c1", "client_cpu_ms", "client_cpu_busy")}
                          for k, v in row["runs"].items()}
         row["load_after"] = loadavg()
         data["rows"].append(row)
@@ -373,11 +398,11 @@ def render(data: dict) -> str:
              "turns request by request; medians over rounds · load average per row (the machine was shared with other "
              "work).", "",
              "| model | server, tensors | requests/s at concurrency 4 | p50 ms at concurrency 1 | reamer / MLServer (JSON; "
-             "replayed: replayed) throughput | p50 reamer / MLServer | load |",
-             "|---|---|---|---|---|---|---|"]
+             "replayed: replayed) throughput | p50 reamer / MLServer | client cpu ms/request · its cpu busy (c4) | load |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in data["rows"]:
         if row.get("error") and not row.get("median"):
-            lines.append(f"| {row['model']} | {row['error']} | | | | | |")
+            lines.append(f"| {row['model']} | {row['error']} | | | | | | |")
             continue
         for key, m in row["median"].items():
             ratio = p50 = ""
@@ -385,8 +410,9 @@ def render(data: dict) -> str:
             if base and key.startswith("reamer"):
                 ratio = f"{m['rps_c4'] / base['rps_c4']:.2f}×"
                 p50 = f"{m['p50_ms_c1'] / base['p50_ms_c1']:.2f}"
+            client = (f"{m['client_cpu_ms']:.1f} · {m['client_cpu_busy']:.0%}" if "client_cpu_ms" in m else "")
             lines.append(f"| {row['model']} | {key} | {m['rps_c4']:.2f} | {m['p50_ms_c1']:.1f} | {ratio} | {p50} | "
-                         f"{row['load_before'][0]}→{row['load_after'][0]} |")
+                         f"{client} | {row['load_before'][0]}→{row['load_after'][0]} |")
     return "\n".join(lines)
 
 
