@@ -36,7 +36,7 @@ DEFAULT_BATCH = 4
 DEFAULT_BIND_ADDRESS = "0.0.0.0"  # online front doors listen on every interface, as Triton and KServe do
 STOP_TIMEOUT_S = 5.0
 LEAVE_TIMEOUT_S = 5.0
-FORWARDED_EVENTS = ("overload", "worker_crashed", "worker_restarted", "done", "failed")
+FORWARDED_EVENTS = ("overload", "frontdoor_saturated", "worker_crashed", "worker_restarted", "done", "failed")
 
 EmitFn = Callable[..., Any]  # emit(kind, message, job=None, data=None)
 

@@ -39,6 +39,8 @@ class AgentCollector:
         attain = GaugeMetricFamily("reamer_inference_slo_attainment", "Fraction of requests within the SLO",
                                    labels=["job"])
         done = GaugeMetricFamily("reamer_inference_done", "Inputs finished by an offline job", labels=["job"])
+        door = GaugeMetricFamily("reamer_inference_frontdoor_busy", "CPUs used by an online job's front door "
+                                 "process over the last 10 s (near 1 it limits the job's rate)", labels=["job"])
         for name, (state, status) in snap["inference"].items():
             states.add_metric([name, state], 1)
             if status is None:
@@ -49,7 +51,9 @@ class AgentCollector:
             if status.slo_attainment is not None:
                 attain.add_metric([name], status.slo_attainment)
             done.add_metric([name], status.done or 0)
-        yield from (states, rate, p99, attain, done)
+            if status.frontdoor_busy is not None:
+                door.add_metric([name], status.frontdoor_busy)
+        yield from (states, rate, p99, attain, done, door)
 
 
 class AgentMetrics:

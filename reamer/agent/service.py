@@ -578,7 +578,8 @@ class Agent:
 
     def _inference_view(self, rec: InferenceRecord) -> dict[str, Any]:
         status = self.supervisor.status_of(rec.name)
-        fields = ("rate_rps", "p50_ms", "p99_ms", "slo_attainment", "done", "total", "throughput", "eta_s")
+        fields = ("rate_rps", "p50_ms", "p99_ms", "slo_attainment", "done", "total", "throughput", "eta_s",
+                  "frontdoor_busy", "frontdoor_cpu_ms")
         status_doc = {k: getattr(status, k) for k in fields} if status is not None else {}
         message = rec.message or (status.message if status is not None else "")
         oom = self.memory.oom_note(rec.name)

@@ -187,6 +187,10 @@ class InferenceStatus(_Response):
     total: Optional[int] = None
     throughput: Optional[float] = None  # offline: inputs/s
     eta_s: Optional[float] = None
+    # online: the job's front door process over the last 10 s: cpus busy (1.0 = one cpu, where it limits the
+    # job's rate) and cpu ms per request
+    frontdoor_busy: Optional[float] = None
+    frontdoor_cpu_ms: Optional[float] = None
 
 
 class InferenceJob(_Response):

@@ -57,6 +57,9 @@ def render_training_table(jobs) -> str:
     )
 
 
+FRONTDOOR_SHOWN_FROM = 0.5  # a front door busier than this is worth a look (it saturates near one cpu)
+
+
 def inference_progress(job) -> str:
     status = field(job, "status") or {}
     if field(job, "kind") == "online":
@@ -70,6 +73,9 @@ def inference_progress(job) -> str:
             parts.append(f"p99 {p99:.1f} ms")
         if attain is not None:
             parts.append(f"{attain * 100:.1f}% in SLO")
+        busy = field(status, "frontdoor_busy")
+        if busy is not None and busy >= FRONTDOOR_SHOWN_FROM:
+            parts.append(f"front door {busy * 100:.0f}% of a cpu")
         return ", ".join(parts) or "-"
     done, total, tput = field(status, "done"), field(status, "total"), field(status, "throughput")
     parts = []

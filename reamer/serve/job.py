@@ -153,7 +153,7 @@ class Job:
         from reamer.serve.batcher import DynamicBatcher
         from reamer.serve.frontdoor import DoorLimits, FrontDoor, V2App
         from reamer.serve.grpc_frontdoor import GrpcFrontDoor, GrpcV2Service
-        from reamer.serve.stats import OverloadDetector, RequestStats
+        from reamer.serve.stats import FrontDoorLoad, OverloadDetector, RequestStats
 
         spec = self.spec
         loop = asyncio.get_running_loop()
@@ -163,6 +163,7 @@ class Job:
         loop.add_signal_handler(signal.SIGHUP, lambda: (self._hup.set(), wake.set()))
 
         stats = RequestStats(spec.slo_ms)
+        door_load = FrontDoorLoad(stats.window_s)
         overload = OverloadDetector(spec.rate_rps, sustain_s=OVERLOAD_SUSTAIN_S)
         batcher = DynamicBatcher(spec.slo_ms, stats, name=spec.name)
         platform = "onnxruntime_onnx" if spec.backend == "onnxruntime" else "openvino"
@@ -210,6 +211,16 @@ class Job:
             st.precision = self._effective_precision()
             down = [w.last_error for w in self.workers if not w.ready and w.last_error]
             st.message = f"{ready} of {len(self.workers)} instances ready" + (f"; {down[0]}" if down else "")
+            load = door_load.update(time.monotonic(), time.process_time(), snap.requests + snap.shed)
+            st.frontdoor_busy, st.frontdoor_cpu_ms = load.busy, load.cpu_ms
+            if door_load.newly_saturated(load):
+                per_request = f", {load.cpu_ms:g} ms per request" if load.cpu_ms is not None else ""
+                self._event("frontdoor_saturated",
+                            f"job {spec.name}'s front door used {load.busy:.0%} of a cpu over the last "
+                            f"{stats.window_s:g} s{per_request}: one process, it limits this job's rate before the "
+                            "instances do; clients sending binary tensors (tritonclient's default) cost it a "
+                            "fraction of JSON's, or split the traffic over more jobs",
+                            busy=load.busy, cpu_ms=load.cpu_ms)
             rate = stats.arrival_rate(span_s=OVERLOAD_SUSTAIN_S)
             if overload.observe(rate):
                 self._event("overload", f"job {spec.name} receives {rate:.1f} req/s, above its admitted "

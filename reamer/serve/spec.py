@@ -227,6 +227,10 @@ class JobStatus:
     instances_total: int = 0
     grpc_port: int | None = None  # where the gRPC front door of an online job listens
     precision: str | None = None  # what the ready instances compute in (OpenVINO's read-back; None: none ready)
+    # online: the cpu of the job's own process (its front doors) over the last 10 s: cpus busy (1.0 = one cpu)
+    # and ms per request (see stats.FrontDoorLoad)
+    frontdoor_busy: float | None = None
+    frontdoor_cpu_ms: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

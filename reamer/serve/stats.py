@@ -136,3 +136,44 @@ class OverloadDetector:
             self._last_fired = now
             return True
         return False
+
+
+@dataclass(frozen=True)
+class DoorLoad:
+    busy: float | None  # cpu seconds per second the front door process used over the window (1.0 = one cpu)
+    cpu_ms: float | None  # its cpu per request over the window; None without requests
+
+
+class FrontDoorLoad:
+    """The cpu of the job's own process (the front doors: HTTP, gRPC, JSON; the instances are other processes)
+    over the last `window_s` seconds, in all and per request. One process holds one interpreter lock, so near
+    1.0 of a cpu the front door, not the instances, limits the job's rate."""
+
+    SATURATED = 0.8  # busy from here on: the front door is this job's bottleneck
+    CLEARED = 0.5  # the saturation event fires again only after busy fell below this
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float, int]] = deque()  # (monotonic s, process cpu s, requests)
+        self._armed = True
+
+    def update(self, now: float, cpu_s: float, requests: int) -> DoorLoad:
+        self._samples.append((now, cpu_s, requests))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+        t0, c0, r0 = self._samples[0]
+        if now - t0 <= 0:
+            return DoorLoad(None, None)
+        cpu = max(cpu_s - c0, 0.0)
+        return DoorLoad(round(cpu / (now - t0), 3), round(cpu / (requests - r0) * 1e3, 2) if requests > r0 else None)
+
+    def newly_saturated(self, load: DoorLoad) -> bool:
+        """True once when busy reaches SATURATED while serving; again only after it fell below CLEARED."""
+        if load.busy is None or load.cpu_ms is None:  # no request in the window: busy with something else
+            return False
+        if self._armed and load.busy >= self.SATURATED:
+            self._armed = False
+            return True
+        if load.busy < self.CLEARED:
+            self._armed = True
+        return False

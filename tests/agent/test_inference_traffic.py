@@ -76,6 +76,11 @@ def test_job_with_traffic_shapes_and_data_serves_and_reports_them(daemon, bert_m
                        for k, v in feeds.items()]}
     answer = httpx.post(f"{job.url}/v2/models/b/infer", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
+    # the front door's own cpu for that request reaches the job's status and the agent's metrics
+    status = wait_for(lambda: (s := daemon.client.get_inference_job("b").status).frontdoor_cpu_ms and s,
+                      timeout=30, what="the front door's cpu in the job's status")
+    assert status.frontdoor_cpu_ms > 0 and status.frontdoor_busy > 0
+    assert 'reamer_inference_frontdoor_busy{job="b"}' in daemon.client.metrics()
 
 
 def test_default_job_listens_everywhere_and_its_url_works_from_another_namespace(daemon, tiny_model, netns):  # noqa: F811

@@ -34,7 +34,8 @@ ONLINE = schemas.InferenceJob(
     state="running", layout="2x1:b4", pid=333, url="http://node-a.example:8100", bind_address="0.0.0.0",
     instances=[schemas.InferenceInstance(cpus=[2], threads=1, max_batch=4),
                schemas.InferenceInstance(cpus=[3], threads=1, max_batch=4)],
-    status=schemas.InferenceStatus(rate_rps=19.5, p50_ms=3.0, p99_ms=9.5, slo_attainment=0.998))
+    status=schemas.InferenceStatus(rate_rps=19.5, p50_ms=3.0, p99_ms=9.5, slo_attainment=0.998,
+                                  frontdoor_busy=0.86, frontdoor_cpu_ms=4.4))
 OFFLINE = schemas.InferenceJob(
     name="batch", model="/models/m.onnx", kind="offline", backend="openvino", input_dir="/in", output_dir="/out",
     precision="bf16", effective_precision="bf16", state="done", pid=None, status=schemas.InferenceStatus(done=40, total=40, throughput=12.5))
@@ -147,6 +148,7 @@ def test_status_table_shows_cores_and_jobs(run):
     assert "reserved:" in out and "idle:" in out and "2-3" in out
     assert "train-a" in out and "7/7" in out
     assert "svc" in out and "2x1:b4" in out and "p99 9.5 ms" in out and "99.8% in SLO" in out
+    assert "front door 86% of a cpu" in out
     assert "batch" in out and "40/40" in out
 
 

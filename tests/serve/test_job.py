@@ -45,6 +45,9 @@ def test_online_job_serves_reports_and_stops_cleanly_on_sigterm(online_job):
         assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [2, 4]
     wait_for(lambda: (s := read_status(tmp_path / "run")) and s.requests >= 5 and s.p99_ms is not None,
              what="status to count the requests")
+    s = read_status(tmp_path / "run")  # the front door's own cpu: it parsed and answered those requests
+    assert s.frontdoor_busy is not None and 0 < s.frontdoor_busy < 2.5
+    assert s.frontdoor_cpu_ms is not None and s.frontdoor_cpu_ms > 0
 
     def overloaded():  # keep sending above the admitted 2 req/s until the job says so
         _infer(st.port)

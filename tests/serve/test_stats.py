@@ -1,6 +1,6 @@
 import pytest
 
-from reamer.serve.stats import OverloadDetector, RequestStats
+from reamer.serve.stats import DoorLoad, FrontDoorLoad, OverloadDetector, RequestStats
 
 
 def test_percentiles_rate_and_attainment_over_window():
@@ -48,3 +48,22 @@ def test_brief_spikes_and_no_admitted_rate_do_not_fire():
     for t in range(10):
         assert not d.observe(50.0 if t % 2 else 1.0, now=float(t))
     assert not OverloadDetector(None).observe(1e9, now=100.0)
+
+
+def test_front_door_load_is_cpu_over_the_window_in_all_and_per_request():
+    load = FrontDoorLoad(window_s=10.0)
+    assert load.update(0.0, 5.0, 100) == DoorLoad(None, None)
+    first = load.update(2.0, 6.0, 150)  # 1 cpu s in 2 s over 50 requests
+    assert first == DoorLoad(0.5, 20.0)
+    assert load.update(4.0, 6.0, 150) == DoorLoad(0.25, 20.0)  # idle since: the window still holds the work
+    later = load.update(20.0, 6.1, 150)  # the old samples left the window; no request in it
+    assert later.busy is not None and later.busy < 0.1 and later.cpu_ms is None
+
+
+def test_front_door_saturation_is_reported_once_until_it_clears():
+    load = FrontDoorLoad()
+    busy = [0.3, 0.85, 0.9, 0.7, 0.6, 0.4, 0.95]
+    fired = [load.newly_saturated(DoorLoad(b, 10.0)) for b in busy]
+    assert fired == [False, True, False, False, False, False, True]
+    assert not load.newly_saturated(DoorLoad(None, None))
+    assert not FrontDoorLoad().newly_saturated(DoorLoad(0.95, None))  # busy without requests: starting up
