@@ -1,7 +1,7 @@
 """Where a JSON ResNet-50 request's time goes in reamer's job at concurrency 4, set up as bench/mlserver_peer.py
 sets it up (instance on cpu 1, front door on cpus 0-1, the client on cpu 0 encoding JSON per request as
 tritonclient does): the job's Server-Timing (queue wait, backend compute, total in the job) per request, the
-client's cpu per request, and the instance's busy fraction (sum of compute / wall time; with max batch > 1 a
+client's cpu per request, the front door's (the job's own process) cpu per request, and the instance's busy fraction (sum of compute / wall time; with max batch > 1 a
 batch's compute is counted once per request in it, so read it at max batch 1).
 
     .venv/bin/python bench/json_request_breakdown.py [--max-batch 1] [--seconds 10]
@@ -32,6 +32,13 @@ def server_timing(header: str) -> dict[str, float]:
     """{"queue": ms, "compute": ms, "total": ms} from the job's Server-Timing header."""
     parts = (item.strip().split(";dur=") for item in header.split(","))
     return {name: float(ms) for name, ms in parts}
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system cpu seconds of one process, all its threads (not its children: the instances)."""
+    with open(f"/proc/{pid}/stat") as f:
+        ticks = f.read().rsplit(")", 1)[1].split()
+    return (int(ticks[11]) + int(ticks[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def drive(port: int, body_of, seconds: float, concurrency: int = 4) -> list[tuple[float, dict[str, float]]]:
@@ -105,9 +112,9 @@ def main() -> int:
     try:
         os.sched_setaffinity(0, [0])
         drive(port, body_of, 3.0)  # warm-up, discarded
-        cpu, began = os.times(), time.monotonic()
+        cpu, door_cpu, began = os.times(), process_cpu_s(proc.pid), time.monotonic()
         records = drive(port, body_of, args.seconds)
-        wall, used = time.monotonic() - began, os.times()
+        wall, used, door_used = time.monotonic() - began, os.times(), process_cpu_s(proc.pid)
     finally:
         stop(proc)
     n = len(records)
@@ -115,7 +122,8 @@ def main() -> int:
     medians = {k: round(statistics.median(t[k] for _, t in records), 1) for k in records[0][1]}
     print(f"max batch {args.max_batch}: {n / wall:.2f} requests/s, client cpu {client_cpu_ms:.1f} ms/request, "
           f"client p50 {statistics.median(lat for lat, _ in records):.1f} ms")
-    print(f"in the job (medians, ms): {medians}")
+    print(f"in the job (medians, ms): {medians}; the job's own process (front door): "
+          f"{(door_used - door_cpu) / n * 1e3:.1f} ms of cpu per request")
     print(f"instance busy fraction: {sum(t['compute'] for _, t in records) / 1e3 / wall:.2f}")
     return 0
 
