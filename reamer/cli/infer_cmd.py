@@ -167,12 +167,26 @@ def render_job(job) -> str:
         ("shapes", " ".join(f"{k}:{','.join(map(str, v))}" for k, v in (field(job, "shapes") or {}).items()) or None),
         ("input data", field(job, "input_data")),
         ("input", field(job, "input_dir")), ("output", field(job, "output_dir")), ("pid", field(job, "pid")),
-        ("progress", inference_progress(job)), ("message", field(job, "message") or "-"),
+        ("progress", inference_progress(job)),
+        *([("front door", _frontdoor_text(job) or "-")] if field(job, "kind") == "online" else []),
+        ("message", field(job, "message") or "-"),
     ])
     instances = render_table(["cpus", "threads", "max batch", "on training"],
                              [[format_cpulist(field(i, "cpus", [])), field(i, "threads"), field(i, "max_batch"),
                                field(i, "on_training")] for i in field(job, "instances", [])])
     return f"{head}\n\ninstances:\n{instances}"
+
+
+def _frontdoor_text(job) -> str | None:
+    """The front door's own cpu over the last 10 s and the rate it could carry at that cost per request."""
+    status = field(job, "status") or {}
+    busy, per_request = field(status, "frontdoor_busy"), field(status, "frontdoor_cpu_ms")
+    if busy is None:
+        return None
+    text = f"{busy * 100:.0f}% of a cpu"
+    if per_request:
+        text += f", {per_request:g} ms of cpu per request: about {1000 / per_request:,.0f} requests/s at most"
+    return text
 
 
 def _precision_text(job) -> str:

@@ -255,6 +255,8 @@ def test_infer_list_and_show(run):
     assert show.exit_code == 0
     assert "layout:" in show.output and "2x1:b4" in show.output
     assert show.output.count("\n2 ") + show.output.count("\n3 ") == 2  # one row per instance
+    # the front door's cpu (86 %, 4.4 ms per request) and the rate one process could carry at that cost
+    assert "86% of a cpu, 4.4 ms of cpu per request: about 227 requests/s at most" in show.output
 
 
 def test_events_list_and_since(run):
