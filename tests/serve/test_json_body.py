@@ -5,6 +5,8 @@ import json
 import numpy as np
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from reamer.serve import frontdoor
 from reamer.serve.frontdoor import BadRequest, decode_request
@@ -149,3 +151,44 @@ def test_with_a_key_given_twice_the_last_wins_as_in_orjson(monkeypatch, first, l
     _same_answer(monkeypatch, body)
     inputs_twice = b'{"inputs": [], ' + body[1:]
     _same_answer(monkeypatch, inputs_twice)
+
+
+_scalar = st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.floats(-1e6, 1e6),
+                    st.integers(-(2**70), 2**70), st.integers(-1000, 1000), st.booleans(), st.none(),
+                    st.text(max_size=3))
+_element = st.one_of(_scalar, st.lists(_scalar, max_size=3))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(datatype=st.sampled_from(["FP32", "FP16", "FP64", "INT64", "INT32", "UINT8"]),
+       floats=st.lists(st.floats(-1e4, 1e4), min_size=1, max_size=50),
+       odd=st.lists(st.tuples(st.integers(0, 49), _element), max_size=3),
+       escaped=st.booleans())
+def test_any_mix_of_values_reads_as_the_general_path_reads_it(datatype, floats, odd, escaped):
+    data: list = list(floats)
+    for at, value in odd:
+        data[at % len(data)] = value
+    doc = {"id": "a\\\"b" if escaped else "ab", "parameters": {"padding": "x" * (1 << 17)},
+           "inputs": [{"name": "x", "shape": [1, len(data)], "datatype": datatype, "data": data}]}
+    body = json.dumps(doc, ensure_ascii=False).encode()
+    ins = [TensorInfo("x", datatype, [-1, -1])]
+    outs = [TensorInfo("y", datatype, [-1, 1])]
+
+    def decode():
+        try:
+            return decode_request(body, None, ins, outs, {}, 64 << 20).inputs["x"]
+        except BadRequest as exc:
+            return str(exc)
+
+    fast = decode()
+    saved = frontdoor.LARGE_JSON_BYTES
+    frontdoor.LARGE_JSON_BYTES = 1 << 62  # the simdjson read off (hypothesis does not take pytest's monkeypatch)
+    try:
+        general = decode()
+    finally:
+        frontdoor.LARGE_JSON_BYTES = saved
+    if isinstance(general, str):
+        assert fast == general
+    else:
+        assert isinstance(fast, np.ndarray) and fast.dtype == general.dtype and fast.shape == general.shape
+        np.testing.assert_array_equal(fast, general)
