@@ -48,8 +48,8 @@ import numpy as np
 import orjson
 
 from reamer.host.errors import ReamerError
-from reamer.serve.json_body import FloatData, read_large_request
 from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded, RequestTiming
+from reamer.serve.json_body import FloatData, read_large_request
 from reamer.serve.tensors import TensorInfo, UnsupportedDatatype, numpy_to_v2, v2_to_numpy
 from reamer.serve.v2wire import (HEADER_LENGTH, SERVER_NAME, SERVER_VERSION, ReplyPlan, binary_body, http_head,
                                   le_bytes, server_timing)

@@ -4,8 +4,9 @@ float per value. orjson builds 150,528 float objects for one 224x224x3 image and
 back (7.9 ms of cpu here); simdjson writes the doubles into one buffer (3.6 ms).
 
 This reader only accelerates: whatever it is not sure of (a body simdjson refuses or orjson would refuse, a
-byte order mark, a key given twice, nested lists or non-numbers in a data list, integers past 2**53) it leaves to orjson and
-numpy, so answers and error messages are those of the general path (`frontdoor.decode_request`).
+byte order mark, a key given twice, nested lists or non-numbers in a data list, integers past 2**53) it
+leaves to orjson and numpy, so answers and error messages are those of the general path
+(`frontdoor.decode_request`).
 """
 from __future__ import annotations
 
@@ -83,9 +84,11 @@ def _request(doc: Any, body: bytes, float_inputs: set[str]) -> dict | None:
             continue
         if (fields := _members(value)) is None:
             return None
-        item = {key: ([] if key == "data" and isinstance(v, simdjson.Array) else _python(v)) for key, v in fields.items()}
-        if isinstance(fields.get("data"), simdjson.Array):
-            lists.append((item, fields["data"]))
+        data = fields.get("data")
+        item = {key: ([] if key == "data" and isinstance(v, simdjson.Array) else _python(v))
+                for key, v in fields.items()}
+        if isinstance(data, simdjson.Array):
+            lists.append((item, data))
         items.append(item)
     req["inputs"] = items
     # Every data list is flat when the body has no more "[" than the request with its data lists emptied.
