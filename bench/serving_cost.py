@@ -1,0 +1,116 @@
+"""What serving costs per request in cpu, beside the inference itself: one inference alone in a pinned process,
+then an online job with one 1-thread instance per cpu (its front door on all of them) driven open-loop at a
+fixed rate with binary tensors by the lean client of bench/online_peers.py: the cpu per request of the job's own
+process (the front door), of its instances, and of the client.
+
+    .venv/bin/python bench/serving_cost.py --model mobilenet_v2 --backend onnxruntime --rate 200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (str(ROOT), str(ROOT / "bench")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+
+def inference_alone_ms(backend_kind: str, model: str, cpu: int, repeats: int = 200) -> tuple[float, dict, list]:
+    """Cpu ms of one batch-1 inference, 1 thread, pinned to `cpu`; and the sample inputs and output names."""
+    from reamer.serve.backends import open_backend, sample_inputs
+
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, [cpu])
+    try:
+        with open_backend(backend_kind, model, 1) as backend:
+            inputs = sample_inputs(backend, 1, np.random.default_rng(0))
+            for _ in range(20):
+                backend.run(inputs)
+            began = time.process_time()
+            for _ in range(repeats):
+                backend.run(inputs)
+            return (time.process_time() - began) / repeats * 1e3, inputs, [o.name for o in backend.outputs]
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def main() -> int:
+    from mlserver_peer import stop
+    from online_peers import binary_request, lean_step, raw_request
+    from search_calibration import model_file
+
+    from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="mobilenet_v2")
+    p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "openvino"))
+    p.add_argument("--rate", type=float, default=200.0, help="open-loop requests/s")
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--model-dir", default="/tmp/reamer-bench-models")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")
+    args = p.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    model = str(model_file(args.model, {}, Path(args.model_dir)))
+    alone_ms, inputs, outputs = inference_alone_ms(args.backend, model, cpus[-1])
+    work = Path(tempfile.mkdtemp(prefix="reamer-serving-cost-"))
+    spec = JobSpec(name="m", kind="online", model=model, backend=args.backend, run_dir=str(work / "run"), port=0,
+                   instances=[InstanceSpec([c], 1, 1) for c in cpus], frontdoor_cpus=cpus, host="127.0.0.1",
+                   slo_ms=1000)
+    spec.save(work / "spec.json")
+    proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(work / "spec.json")], cwd=ROOT,
+                            stdout=open(work / "job.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                status = JobStatus.load(work / "run" / "status.json")
+                if status.state == "ready" and status.port:
+                    break
+            except (FileNotFoundError, ValueError, OSError):
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the job did not get ready (see {work / 'job.log'})")
+            time.sleep(0.2)
+        body, headers = binary_request(inputs, outputs)
+        request = raw_request(status.port, body, headers)
+        lean_step(status.port, request, args.rate * 0.75, 2.0, 1, 5.0)  # warm-up, discarded
+        job = psutil.Process(proc.pid)
+        instances = job.children()
+        door0, inst0 = cpu_s(job), [cpu_s(i) for i in instances]
+        step = lean_step(status.port, request, args.rate, args.seconds, 0, 5.0)
+        door1, inst1 = cpu_s(job), [cpu_s(i) for i in instances]
+    finally:
+        stop(proc)
+    n = max(step.ok, 1)
+    figures = {"model": args.model, "backend": args.backend, "cpus": cpus, "rate_rps": args.rate,
+               "sent": step.sent, "answered": step.ok, "p99_ms": step.p99_ms, "inference_alone_ms": alone_ms,
+               "instances_ms": (sum(inst1) - sum(inst0)) / n * 1e3, "frontdoor_ms": (door1 - door0) / n * 1e3,
+               "client_ms": step.cpu_ms}
+    serving = figures["instances_ms"] - alone_ms + figures["frontdoor_ms"]
+    print(f"{args.model} {args.backend}, {len(cpus)} instances on cpus {cpus}, {args.rate:g} requests/s for "
+          f"{args.seconds:g} s: {step.ok} of {step.sent} answered, p99 {step.p99_ms:.1f} ms")
+    print(f"cpu ms per request: inference alone {alone_ms:.2f}; in the job: instances {figures['instances_ms']:.2f}, "
+          f"front door {figures['frontdoor_ms']:.2f}, client {step.cpu_ms:.2f}; serving beside the inference "
+          f"{serving:.2f} ({serving / alone_ms:.0%})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
