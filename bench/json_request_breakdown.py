@@ -34,13 +34,6 @@ def server_timing(header: str) -> dict[str, float]:
     return {name: float(ms) for name, ms in parts}
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system cpu seconds of one process, all its threads (not its children: the instances)."""
-    with open(f"/proc/{pid}/stat") as f:
-        ticks = f.read().rsplit(")", 1)[1].split()
-    return (int(ticks[11]) + int(ticks[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def drive(port: int, body_of, seconds: float, concurrency: int = 4) -> list[tuple[float, dict[str, float]]]:
     """Closed loop, `concurrency` threads, each encoding its JSON body per request: (latency ms, timing)."""
     records: list[tuple[float, dict[str, float]]] = []
@@ -82,6 +75,7 @@ def decode_cost(body: bytes, inputs: list, outputs: list, repeats: int = 21) -> 
 
 
 def main() -> int:
+    from metrics import process_cpu_seconds
     from mlserver_peer import start_reamer, stop
     from search_calibration import model_file
 
@@ -112,9 +106,9 @@ def main() -> int:
     try:
         os.sched_setaffinity(0, [0])
         drive(port, body_of, 3.0)  # warm-up, discarded
-        cpu, door_cpu, began = os.times(), process_cpu_s(proc.pid), time.monotonic()
+        cpu, door_cpu, began = os.times(), process_cpu_seconds(proc.pid), time.monotonic()
         records = drive(port, body_of, args.seconds)
-        wall, used, door_used = time.monotonic() - began, os.times(), process_cpu_s(proc.pid)
+        wall, used, door_used = time.monotonic() - began, os.times(), process_cpu_seconds(proc.pid)
     finally:
         stop(proc)
     n = len(records)

@@ -251,7 +251,9 @@ def load(port: int, inputs: dict[str, np.ndarray], outputs: list[str], tensors: 
         close()
     stop_at[0] = time.perf_counter() + seconds + 1.0
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
-    started, cpu, busy = time.perf_counter(), os.times(), _cpu_busy()
+    from metrics import cpu_idle_seconds
+
+    started, cpu, idle, since = time.perf_counter(), os.times(), cpu_idle_seconds(), time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
@@ -260,26 +262,15 @@ def load(port: int, inputs: dict[str, np.ndarray], outputs: list[str], tensors: 
     client_cpu = used.user + used.system - cpu.user - cpu.system  # this process: only the client threads run in it
     return {"rps": served / (time.perf_counter() - started), "errors": len(errors),
             "client_cpu_ms": round(client_cpu / max(served, 1) * 1e3, 1),
-            "client_cpu_busy": round(_busy_since(busy, os.sched_getaffinity(0)), 3)}
+            "client_cpu_busy": round(_busy_since(idle, since, os.sched_getaffinity(0)), 3)}
 
 
-def _cpu_busy() -> dict[int, tuple[int, int]]:
-    """(busy, all) jiffies per cpu from /proc/stat."""
-    out = {}
-    with open("/proc/stat") as f:
-        for line in f:
-            name, *values = line.split()
-            if name.startswith("cpu") and name[3:].isdigit():
-                ticks = [int(v) for v in values]
-                out[int(name[3:])] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))  # less idle and iowait
-    return out
+def _busy_since(idle_before: dict[int, float], since: float, cpus: set[int]) -> float:
+    """How busy `cpus` were (anything running on them) since `since` (monotonic), from their idle time."""
+    from metrics import cpu_idle_seconds
 
-
-def _busy_since(before: dict[int, tuple[int, int]], cpus: set[int]) -> float:
-    """How busy `cpus` were (anything running on them) since `before`."""
-    now = _cpu_busy()
-    busy = sum(now[c][0] - before[c][0] for c in cpus)
-    return busy / max(sum(now[c][1] - before[c][1] for c in cpus), 1)
+    idle, wall = cpu_idle_seconds(), (time.monotonic() - since) * len(cpus)
+    return max(0.0, 1.0 - sum(idle[c] - idle_before[c] for c in cpus) / wall)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,8 +24,8 @@ for _p in (str(ROOT), str(ROOT / "bench")):
         sys.path.insert(0, _p)
 
 
-def inference_alone_ms(backend_kind: str, model: str, cpu: int, repeats: int = 200) -> tuple[float, dict, list]:
-    """Cpu ms of one batch-1 inference, 1 thread, pinned to `cpu`; and the sample inputs and output names."""
+def inference_alone_ms(backend_kind: str, model: str, cpu: int, repeats: int = 200) -> tuple[float, dict]:
+    """Cpu ms of one batch-1 inference, 1 thread, pinned to `cpu`; and the sample inputs."""
     from reamer.serve.backends import open_backend, sample_inputs
 
     allowed = os.sched_getaffinity(0)
@@ -39,22 +38,17 @@ def inference_alone_ms(backend_kind: str, model: str, cpu: int, repeats: int = 2
             began = time.process_time()
             for _ in range(repeats):
                 backend.run(inputs)
-            return (time.process_time() - began) / repeats * 1e3, inputs, [o.name for o in backend.outputs]
+            return (time.process_time() - began) / repeats * 1e3, inputs
     finally:
         os.sched_setaffinity(0, allowed)
 
 
-def cpu_s(proc: psutil.Process) -> float:
-    times = proc.cpu_times()
-    return times.user + times.system
-
-
 def main() -> int:
-    from mlserver_peer import stop
-    from online_peers import binary_request, lean_step, raw_request
+    from metrics import process_cpu_seconds
+    from online_peers import ReamerJob, lean_step
     from search_calibration import model_file
 
-    from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
+    from reamer.plan.layout import Layout
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="mobilenet_v2")
@@ -66,40 +60,21 @@ def main() -> int:
     args = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     model = str(model_file(args.model, {}, Path(args.model_dir)))
-    alone_ms, inputs, outputs = inference_alone_ms(args.backend, model, cpus[-1])
-    work = Path(tempfile.mkdtemp(prefix="reamer-serving-cost-"))
-    spec = JobSpec(name="m", kind="online", model=model, backend=args.backend, run_dir=str(work / "run"), port=0,
-                   instances=[InstanceSpec([c], 1, 1) for c in cpus], frontdoor_cpus=cpus, host="127.0.0.1",
-                   slo_ms=1000)
-    spec.save(work / "spec.json")
-    proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(work / "spec.json")], cwd=ROOT,
-                            stdout=open(work / "job.log", "wb"), stderr=subprocess.STDOUT)
+    alone_ms, inputs = inference_alone_ms(args.backend, model, cpus[-1])
+    job = ReamerJob(model, Layout.uniform(len(cpus), 1, 1, backend=args.backend), cpus, 1000.0,
+                    Path(tempfile.mkdtemp(prefix="reamer-serving-cost-")), inputs)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                status = JobStatus.load(work / "run" / "status.json")
-                if status.state == "ready" and status.port:
-                    break
-            except (FileNotFoundError, ValueError, OSError):
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the job did not get ready (see {work / 'job.log'})")
-            time.sleep(0.2)
-        body, headers = binary_request(inputs, outputs)
-        request = raw_request(status.port, body, headers)
-        lean_step(status.port, request, args.rate * 0.75, 2.0, 1, 5.0)  # warm-up, discarded
-        job = psutil.Process(proc.pid)
-        instances = job.children()
-        door0, inst0 = cpu_s(job), [cpu_s(i) for i in instances]
-        step = lean_step(status.port, request, args.rate, args.seconds, 0, 5.0)
-        door1, inst1 = cpu_s(job), [cpu_s(i) for i in instances]
+        lean_step(job.port, job.request, args.rate * 0.75, 2.0, 1, 5.0)  # warm-up, discarded
+        pids = [job.proc.pid, *(c.pid for c in psutil.Process(job.proc.pid).children())]
+        before = [process_cpu_seconds(pid) for pid in pids]
+        step = lean_step(job.port, job.request, args.rate, args.seconds, 0, 5.0)
+        used = [process_cpu_seconds(pid) - b for pid, b in zip(pids, before)]
     finally:
-        stop(proc)
+        job.close()
     n = max(step.ok, 1)
     figures = {"model": args.model, "backend": args.backend, "cpus": cpus, "rate_rps": args.rate,
                "sent": step.sent, "answered": step.ok, "p99_ms": step.p99_ms, "inference_alone_ms": alone_ms,
-               "instances_ms": (sum(inst1) - sum(inst0)) / n * 1e3, "frontdoor_ms": (door1 - door0) / n * 1e3,
+               "instances_ms": sum(used[1:]) / n * 1e3, "frontdoor_ms": used[0] / n * 1e3,
                "client_ms": step.cpu_ms}
     serving = figures["instances_ms"] - alone_ms + figures["frontdoor_ms"]
     print(f"{args.model} {args.backend}, {len(cpus)} instances on cpus {cpus}, {args.rate:g} requests/s for "

@@ -8,7 +8,7 @@ import click
 
 from reamer.cli.common import (BadInput, CliContext, ReamerGroup, emit, field, pass_cli,
                                render_fields, render_table, sample_spec, traffic_options)
-from reamer.cli.node_cmd import inference_progress, render_inference_table
+from reamer.cli.node_cmd import frontdoor_share, inference_progress, render_inference_table
 from reamer.cli.search_cmd import PRECISION_HELP, BackendOrAuto, PrecisionChoice, describe_precision
 from reamer.host.cpulist import format_cpulist
 from reamer.host.errors import ReamerError
@@ -183,7 +183,7 @@ def _frontdoor_text(job) -> str | None:
     busy, per_request = field(status, "frontdoor_busy"), field(status, "frontdoor_cpu_ms")
     if busy is None:
         return None
-    text = f"{busy * 100:.0f}% of a cpu"
+    text = frontdoor_share(busy)
     if per_request:
         text += f", {per_request:g} ms of cpu per request: about {1000 / per_request:,.0f} requests/s at most"
     return text

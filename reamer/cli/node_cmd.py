@@ -60,6 +60,10 @@ def render_training_table(jobs) -> str:
 FRONTDOOR_SHOWN_FROM = 0.5  # a front door busier than this is worth a look (it saturates near one cpu)
 
 
+def frontdoor_share(busy: float) -> str:
+    return f"{busy * 100:.0f}% of a cpu"
+
+
 def inference_progress(job) -> str:
     status = field(job, "status") or {}
     if field(job, "kind") == "online":
@@ -75,7 +79,7 @@ def inference_progress(job) -> str:
             parts.append(f"{attain * 100:.1f}% in SLO")
         busy = field(status, "frontdoor_busy")
         if busy is not None and busy >= FRONTDOOR_SHOWN_FROM:
-            parts.append(f"front door {busy * 100:.0f}% of a cpu")
+            parts.append(f"front door {frontdoor_share(busy)}")
         return ", ".join(parts) or "-"
     done, total, tput = field(status, "done"), field(status, "total"), field(status, "throughput")
     parts = []

@@ -72,10 +72,10 @@ def _members(obj: simdjson.Object) -> dict[str, Any] | None:
 def _request(doc: Any, body: bytes, float_inputs: set[str]) -> dict | None:
     if not isinstance(doc, simdjson.Object) or (members := _members(doc)) is None:
         return None
-    req = {key: (value if key == "inputs" else _python(value)) for key, value in members.items()}
-    inputs = req.get("inputs")
-    if not isinstance(inputs, simdjson.Array):
-        return {key: _python(value) for key, value in req.items()}
+    inputs = members.get("inputs")
+    if not isinstance(inputs, simdjson.Array):  # nothing to read fast: the general path names the problem
+        return {key: _python(value) for key, value in members.items()}
+    req = {key: _python(value) for key, value in members.items() if key != "inputs"}
     items: list[Any] = []
     lists: list[tuple[dict, simdjson.Array]] = []  # (item, its data list), filled in below
     for value in inputs:

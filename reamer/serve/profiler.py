@@ -243,9 +243,7 @@ def measure_point(model_path: str | os.PathLike, backend: str, cores: int, batch
                   streams: int = 1, precision: str = "f32") -> "ProfilePoint":
     """One instance with `cores` cores (`threads`, default = cores, in `streams` streams) and batch `batch`, alone
     on the first `cores` of `cpus`, fed by `samples` (the traffic's shapes and data; default: reamer.serve.samples'
-    rule), computing at the job's `precision`: a PointSession's one measurement."""
-    if cores < 1 or batch < 1:
-        raise ProfileError(f"cores ({cores}) and batch ({batch}) must be >= 1", "pass positive values")
+    rule), computing at the job's `precision`: a PointSession's one measurement (which checks cores and batch)."""
     with PointSession(model_path, backend, cores, cpus, warmup_s=warmup_s, window_s=window_s,
                       max_windows=max_windows, stability=stability, samples=samples, threads=threads,
                       streams=streams, precision=precision) as session:
