@@ -184,7 +184,8 @@ def _characterise_with_counters(model: str, backend: str, cpus: list[int], batch
     windows = max(2, math.ceil(counter_window_s / window_s) + 1)  # outlasts the counter window
     for batch in batches:
         cfg = profiler.WorkerConfig(model, backend, cpus, wide, batch, warmup_s, window_s, windows,
-                                    fixed_windows=windows, samples=profiler._doc(samples), precision=precision)
+                                    fixed_windows=windows, samples=profiler._doc(samples), precision=precision,
+                                    static_batch=1 if batch == 1 else None)
         with profiler.ProfileWorker(cfg) as worker:
             worker.wait_ready(timeout_s)
             worker.go()

@@ -58,6 +58,7 @@ class WorkerConfig:
     samples: dict | None = None  # samples.SampleSpec.to_doc(): the traffic's shapes and sample data
     streams: int = 1  # OpenVINO streams sharing `threads` (each batch is split among them)
     precision: str = "f32"  # "bf16": OpenVINO computes in bfloat16 where the CPU supports it
+    static_batch: int | None = None  # OpenVINO compiles for this batch first, as a job's max-batch-1 instance does
 
 
 @dataclass
@@ -267,7 +268,7 @@ class PointSession:
         self.cores = cores
         self.config = WorkerConfig(os.fspath(model_path), backend, _usable_cpus(cpus, cores)[:cores], threads or cores,
                                    1, warmup_s, window_s, max(3, max_windows), stability, samples=_doc(samples),
-                                   streams=streams, precision=precision)
+                                   streams=streams, precision=precision, static_batch=1)
         self.pids: list[int] = []  # every worker process this session started, in order
         self._worker: ProfileWorker | None = None
 
@@ -327,7 +328,7 @@ def measure_layout_detail(model_path: str | os.PathLike, backend: str, layout: A
         configs.append(WorkerConfig(os.fspath(model_path), backend, chosen[start:start + inst.cores], threads,
                                     inst.batch, warmup_s, window_s, windows, 0.0, fixed_windows=max(1, windows),
                                     samples=_doc(samples), streams=getattr(inst, "streams", 1),
-                                    precision=precision))
+                                    precision=precision, static_batch=1 if inst.batch == 1 else None))
         start += inst.cores
     results = _run_workers(configs, timeout_s)
     pooled = [lat for r in results for lat in r.latencies_ms]
@@ -370,7 +371,8 @@ def _worker_main(config_json: str) -> int:
     from reamer.serve.samples import SampleSpec, plan_samples
 
     try:
-        backend = open_backend(cfg.backend, cfg.model_path, cfg.threads, cfg.streams, cfg.precision)
+        backend = open_backend(cfg.backend, cfg.model_path, cfg.threads, cfg.streams, cfg.precision,
+                               cfg.static_batch)
         plan = plan_samples(backend.inputs, SampleSpec.from_doc(cfg.samples), cfg.model_path)
         feeds = plan.batch(cfg.batch, np.random.default_rng(cfg.seed))
     except ReamerError as exc:

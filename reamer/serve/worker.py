@@ -197,10 +197,10 @@ _BOOTSTRAP = "import sys; from reamer.serve.worker import child_main; child_main
 
 
 def child_main(argv: list[str]) -> None:
-    """Worker process entry: argv = [fd, cpus "0,1", sched, threads, backend, precision, model path, samples
-    (JSON of a samples.SampleSpec), in-arena fd, out-arena fd, reply flag fd]."""
+    """Worker process entry: argv = [fd, cpus "0,1", sched, threads, backend, precision, max batch, model path,
+    samples (JSON of a samples.SampleSpec), in-arena fd, out-arena fd, reply flag fd]."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C on the job's terminal: the job stops its workers
-    fd, cpu_list, sched, threads, backend_kind, precision, model_path, samples, *shared_fds = argv
+    fd, cpu_list, sched, threads, backend_kind, precision, max_batch, model_path, samples, *shared_fds = argv
     from reamer.host.sched import set_affinity, set_idle_policy  # light: os and pathlib only
 
     cpus = [int(c) for c in cpu_list.split(",")]
@@ -213,7 +213,7 @@ def child_main(argv: list[str]) -> None:
         problem = f"cannot place the worker (cpus {cpus}, sched {sched}): {exc}"
     threads_text, _, streams = threads.partition("s")  # "4" or "4s2": 4 threads in 2 OpenVINO streams
     _worker_main(int(fd), problem, int(threads_text), backend_kind, model_path, [int(f) for f in shared_fds],
-                 json.loads(samples), int(streams or 1), precision)
+                 json.loads(samples), int(streams or 1), precision, int(max_batch))
 
 
 def _write_now(fd: int, parts: list[bytes]) -> bytes:
@@ -269,7 +269,7 @@ def _warm_up(backend: Any, samples_doc: dict | None) -> float:
 
 def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_path: str,
                  shared_fds: list[int], samples_doc: dict | None = None, streams: int = 1,
-                 precision: str = "f32") -> None:
+                 precision: str = "f32", max_batch: int = 0) -> None:
     """Body of the worker process, after pinning: open the model, warm up, serve batches from the parent."""
     conn = _Pipe(fd)
     in_arena, out_arena, flag = _Arena(shared_fds[0]), _Arena(shared_fds[1]), _Flag(shared_fds[2])
@@ -281,7 +281,9 @@ def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_p
     try:
         from reamer.serve.backends import open_backend
 
-        backend = open_backend(backend_kind, model_path, threads, streams, precision)
+        # an instance that only ever gets one row compiles for it (OpenVINO runs static shapes faster)
+        backend = open_backend(backend_kind, model_path, threads, streams, precision,
+                               static_batch=1 if max_batch == 1 else None)
     except BaseException as exc:  # noqa: BLE001 - any failure here must reach the parent as text
         conn.send(("fatal", f"cannot open model {model_path} with {backend_kind}: {exc}"))
         raise SystemExit(3)
@@ -436,7 +438,7 @@ class InstanceWorker:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(child_sock.fileno()), cpus, self.spec.sched,
                  f"{self.spec.threads}" + (f"s{self.spec.streams}" if self.spec.streams > 1 else ""),
-                 self.backend, self.precision, self.model_path, json.dumps(self.samples),
+                 self.backend, self.precision, str(self.spec.max_batch), self.model_path, json.dumps(self.samples),
                  *map(str, shared_fds)],
                 pass_fds=(child_sock.fileno(), *shared_fds), stdin=subprocess.DEVNULL)
         finally:
