@@ -168,10 +168,12 @@ class _OvCompiled:
         self._tensor = ov.Tensor
 
     def _feed(self, request: Any, arrays: list[np.ndarray]) -> None:
-        # OpenVINO reads numeric inputs where they are (views of the worker's shared memory, alive until the run
-        # returns) instead of copying them, and infer() without arguments skips its Python-side conversion
+        # OpenVINO reads writable numeric inputs where they are (views of the worker's shared memory, alive until
+        # the run returns) instead of copying them, and infer() without arguments skips its Python-side
+        # conversion; it refuses to share a read-only array (a small tensor unpickled from the pipe): that is copied
         for i, arr in enumerate(arrays):
-            request.set_input_tensor(i, self._tensor(arr, shared_memory=arr.dtype.kind in "biuf"))
+            shared = arr.dtype.kind in "biuf" and arr.flags.writeable
+            request.set_input_tensor(i, self._tensor(arr, shared_memory=shared))
 
     def run(self, arrays: list[np.ndarray], outputs: int) -> list[np.ndarray]:
         rows = arrays[0].shape[0] if arrays and arrays[0].ndim else 1

@@ -121,3 +121,50 @@ def test_unknown_backend_and_bad_arguments(model_paths, tmp_path):
     for kind in BACKENDS:
         with pytest.raises(ReamerError):
             open_backend(kind, garbage, 1)
+
+
+@pytest.mark.parametrize("family", ["tiny", "multi-io"])
+def test_openvino_static_batch_runs_that_shape_and_others_through_a_dynamic_form(model_paths, opened, family):
+    """A max-batch-1 instance's OpenVINO compiles a static batch-1 shape (faster), still describes its inputs with a
+    dynamic batch axis, and answers a batch of another size (a client's multi-row request) from a dynamic form
+    compiled when one first comes."""
+    ref = opened[("onnxruntime", family)]
+    with open_backend("openvino", model_paths[family], 1, static_batch=1) as b:
+        assert b.static_batch == 1
+        assert b.inputs == ref.inputs and b.outputs == ref.outputs
+        assert [list(p.get_partial_shape().to_shape()) for p in b._main.compiled.inputs] == \
+               [[1, *t.shape[1:]] for t in b.inputs]
+        assert b._dynamic is None
+        for batch in (1, 3, 1):
+            feeds = sample_inputs(ref, batch, np.random.default_rng(batch))
+            got, want = b.run(feeds), ref.run(feeds)
+            for name in want:
+                np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5)
+        assert b._dynamic is not None and b._dynamic is not b._main
+
+
+def test_openvino_reads_inputs_where_they_are_each_run(opened):
+    """OpenVINO reads the caller's arrays in place (as the worker's shared memory is reused for the next batch):
+    each run answers for what the buffer holds then, and an earlier answer is not overwritten."""
+    ort_b, ov_b = opened[("onnxruntime", "tiny")], opened[("openvino", "tiny")]
+    buffer = np.empty((2, 16), np.float32)
+    answers = []
+    for seed in (1, 2):
+        buffer[:] = np.random.default_rng(seed).standard_normal((2, 16))
+        answers.append((ov_b.run({"input": buffer})["output"], ort_b.run({"input": buffer.copy()})["output"]))
+    for got, want in answers:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(answers[0][0], answers[1][0])
+
+
+@pytest.mark.parametrize("family", ["tiny", "multi-io"])
+def test_openvino_takes_read_only_inputs(opened, family):
+    """Arrays read from a request body or unpickled from the worker's pipe are read-only: OpenVINO cannot read
+    them in place, so it copies them (it refused them with 'array is not writeable' at first)."""
+    ref = opened[("onnxruntime", family)]
+    feeds = sample_inputs(ref, 2, np.random.default_rng(3))
+    for arr in feeds.values():
+        arr.flags.writeable = False
+    got, want = opened[("openvino", family)].run(feeds), ref.run(feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5)

@@ -124,3 +124,20 @@ def test_one_stalled_batch_does_not_swing_the_shed_estimate_but_a_lasting_slowdo
     for _ in range(10):  # the instance really became slower
         w.note_batch(0.200, 1)
     assert w.latency_ewma_s > 0.150
+
+
+def test_a_max_batch_1_openvino_instance_answers_a_multi_row_request(tiny, tmp_path):
+    """Its OpenVINO is compiled for one row; a client's 3-row request runs through the dynamic form instead."""
+    w = InstanceWorker(0, InstanceSpec(cpus=[CPU], threads=1, max_batch=1), tiny, backend="openvino",
+                       run_dir=str(tmp_path))
+    try:
+        w.start()
+        ref = open_backend("onnxruntime", tiny, 1)
+        for rows in (1, 3, 1):
+            x = np.random.default_rng(rows).standard_normal((rows, 16)).astype(np.float32)
+            x.flags.writeable = False  # as a binary request's tensor is: it reaches the worker read-only
+            np.testing.assert_allclose(w.run({"input": x})["output"], ref.run({"input": x})["output"],
+                                       rtol=1e-4, atol=1e-5)
+        ref.close()
+    finally:
+        w.stop(grace_s=5)
