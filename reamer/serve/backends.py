@@ -232,20 +232,20 @@ class OpenVinoBackend(Backend):
             hints.performance_mode(): hints.PerformanceMode.LATENCY if streams == 1
             else hints.PerformanceMode.THROUGHPUT,
         }
-        self._core, self._model = core, model
+        self._core = core
         self.static_batch = static_batch if batched and len(batched) == len(model.inputs) else None
         self.model_path, self.threads, self.streams = model_path, threads, streams
         if self.static_batch is not None:
             model.reshape({name: ov.PartialShape([static_batch, *list(shape)[1:]])
                            for name, shape in self._dynamic_shapes.items()})
-        self._main = self._compile()
+        self._main = self._compile(model)  # the read model is not kept: its weights would stay in memory
         self._dynamic: _OvCompiled | None = None if self.static_batch is not None else self._main
         # OpenVINO keeps f32 where the CPU has no native bf16: report what the compiled model runs
         self.precision = _precision_name(self._main.compiled.get_property(hints.inference_precision()))
 
-    def _compile(self) -> _OvCompiled:
+    def _compile(self, model: Any) -> _OvCompiled:
         try:
-            return _OvCompiled(self._core, self._model, self._config, self.streams)
+            return _OvCompiled(self._core, model, self._config, self.streams)
         except Exception as exc:
             raise BackendError(f"OpenVINO cannot compile {self.model_path} for CPU: {exc}",
                                "try the onnxruntime backend (--backend onnxruntime)") from None
@@ -258,15 +258,15 @@ class OpenVinoBackend(Backend):
         arrays = [inputs[info.name] for info in self.inputs]
         form = self._main
         if self.static_batch is not None and arrays[0].shape[0] != self.static_batch:
-            if self._dynamic is None:
-                self._model.reshape(self._dynamic_shapes)
-                self._dynamic = self._compile()
+            if self._dynamic is None:  # the first batch of another size: read and compile the dynamic form
+                model = self._core.read_model(self.model_path)
+                model.reshape(self._dynamic_shapes)
+                self._dynamic = self._compile(model)
             form = self._dynamic
         return dict(zip((info.name for info in self.outputs), form.run(arrays, len(self.outputs))))
 
     def close(self) -> None:
         self._main = self._dynamic = None
-        self._model = None
 
 
 def _precision_name(element_type: Any) -> str:
