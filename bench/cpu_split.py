@@ -46,7 +46,6 @@ def split(perf_data: str, front_tid: int, answered: int) -> dict[str, float]:
 
 
 def main() -> int:
-    import psutil
     from online_peers import HttpPeerServer, ReamerJob, lean_step, reference_outputs
     from search_calibration import model_file
     from serving_cost import inference_alone_ms
@@ -80,7 +79,7 @@ def main() -> int:
                 else:
                     server = ReamerJob(model, Layout.uniform(len(cpus), 1, 1, backend=contender), cpus, 1000.0,
                                        Path(work) / f"{contender}-{round_}", inputs)
-                    pids = [server.proc.pid, *(c.pid for c in psutil.Process(server.proc.pid).children())]
+                    pids = server.pids()
                 data = str(Path(work) / f"{contender}-{round_}.data")
                 try:
                     lean_step(server.port, server.request, args.rate * 0.75, 2.0, 1, 5.0)  # warm-up, discarded

@@ -662,10 +662,12 @@ async def lean_open_loop(port: int, request: bytes, times: Sequence[float], star
 
 
 class ReamerJob:
-    """A reamer online job (`python -m reamer.serve.job`) serving `layout` with the SLO, and its front door."""
+    """A reamer online job (`python -m reamer.serve.job`, or `command` then `--spec FILE`) serving `layout` with
+    the SLO, and its front door."""
 
     def __init__(self, model: str, layout, cpus: list[int], slo_ms: float, work: Path,
-                 inputs: dict[str, np.ndarray], client: str = "lean") -> None:
+                 inputs: dict[str, np.ndarray], client: str = "lean",
+                 command: Sequence[str] = (sys.executable, "-m", "reamer.serve.job")) -> None:
         import httpx
 
         from reamer.serve.spec import JobSpec, JobStatus
@@ -676,7 +678,7 @@ class ReamerJob:
                        run_dir=str(run_dir), port=0, host="127.0.0.1", instances=instances_of(layout, cpus),
                        frontdoor_cpus=list(cpus), slo_ms=slo_ms)
         spec.save(work / "spec.json")
-        self.proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(work / "spec.json")],
+        self.proc = subprocess.Popen([*command, "--spec", str(work / "spec.json")],
                                      cwd=ROOT, stdout=open(work / "job.out", "w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
         while True:
@@ -697,6 +699,12 @@ class ReamerJob:
         head = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
         self.request = (f"POST /v2/models/m/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}"
                         f"Content-Length: {len(self.body)}\r\n\r\n").encode() + self.body
+
+    def pids(self) -> list[int]:
+        """The job process (its front door) first, then its instance workers."""
+        import psutil
+
+        return [self.proc.pid, *(c.pid for c in psutil.Process(self.proc.pid).children())]
 
     def step(self, rate: float, duration: float, seed: int, give_up_s: float) -> Step:
         cpu0 = time.process_time()

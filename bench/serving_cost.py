@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (str(ROOT), str(ROOT / "bench")):
@@ -65,7 +64,7 @@ def main() -> int:
                     Path(tempfile.mkdtemp(prefix="reamer-serving-cost-")), inputs)
     try:
         lean_step(job.port, job.request, args.rate * 0.75, 2.0, 1, 5.0)  # warm-up, discarded
-        pids = [job.proc.pid, *(c.pid for c in psutil.Process(job.proc.pid).children())]
+        pids = job.pids()
         before = [process_cpu_seconds(pid) for pid in pids]
         step = lean_step(job.port, job.request, args.rate, args.seconds, 0, 5.0)
         used = [process_cpu_seconds(pid) - b for pid, b in zip(pids, before)]

@@ -16,7 +16,6 @@ import contextvars
 import json
 import os
 import runpy
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,13 +60,11 @@ def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--job-wrapper":
         job_wrapper(sys.argv[2], sys.argv[3:])
         return 0
-    import httpx
-    from online_peers import binary_request, instances_of, lean_step
+    from online_peers import ReamerJob, lean_step
     from search_calibration import model_file
     from serving_cost import inference_alone_ms
 
     from reamer.plan.layout import parse_layout
-    from reamer.serve.spec import JobSpec, JobStatus
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="resnet50")
@@ -80,40 +77,17 @@ def main() -> int:
     cpus = sorted(os.sched_getaffinity(0))
     model = str(model_file(args.model, {}, Path(args.model_dir)))
     _, inputs = inference_alone_ms("onnxruntime", model, cpus[-1], 2)
-    layout = parse_layout(args.layout)
+    rates = [float(r) for r in args.rates.split(",")]
     with tempfile.TemporaryDirectory(prefix="reamer-shed-accuracy-") as tmp:
-        work = Path(tmp)
-        spec = JobSpec(name="m", kind="online", model=model, backend=layout.backend or "onnxruntime",
-                       run_dir=str(work / "run"), port=0, host="127.0.0.1", instances=instances_of(layout, cpus),
-                       frontdoor_cpus=list(cpus), slo_ms=args.slo)
-        spec.save(work / "spec.json")
-        log = work / "estimates.jsonl"
+        log = Path(tmp) / "estimates.jsonl"
         log.touch()
-        job = subprocess.Popen([sys.executable, __file__, "--job-wrapper", str(log), "--spec", str(work / "spec.json")],
-                               cwd=ROOT, stdout=open(work / "job.out", "w"), stderr=subprocess.STDOUT)
+        job = ReamerJob(model, parse_layout(args.layout), cpus, args.slo, Path(tmp) / "job", inputs,
+                        command=(sys.executable, str(Path(__file__).resolve()), "--job-wrapper", str(log)))
         try:
-            deadline = time.monotonic() + 600
-            while True:
-                try:
-                    status = JobStatus.load(work / "run" / "status.json")
-                    if status.state == "ready" and status.port:
-                        break
-                except (FileNotFoundError, json.JSONDecodeError, OSError):
-                    pass
-                if job.poll() is not None or time.monotonic() > deadline:
-                    print((work / "job.out").read_text()[-2000:], file=sys.stderr)
-                    return 2
-                time.sleep(0.2)
-            meta = httpx.get(f"http://127.0.0.1:{status.port}/v2/models/m", timeout=60).json()
-            body, headers = binary_request(inputs, [o["name"] for o in meta["outputs"]])
-            head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-            request = (f"POST /v2/models/m/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}"
-                       f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-            rates = [float(r) for r in args.rates.split(",")]
-            lean_step(status.port, request, rates[0] * 0.7, 3.0, 1, 30.0)  # warm-up, discarded
+            lean_step(job.port, job.request, rates[0] * 0.7, 3.0, 1, 30.0)  # warm-up, discarded
             for rate in rates:
                 seen = len(log.read_text().splitlines())
-                step = lean_step(status.port, request, rate, args.seconds, 0, 30.0)
+                step = lean_step(job.port, job.request, rate, args.seconds, 0, 30.0)
                 rows = [json.loads(line) for line in log.read_text().splitlines()[seen:]]
                 judged = [(est, took) for est, took in rows if est is not None]  # no instance was idle
                 errors = sorted((took - est) * 1e3 for est, took in judged)
@@ -125,8 +99,7 @@ def main() -> int:
                       f"{sum(1 for _, took in refused if took * 1e3 <= args.slo)} finished in time; late "
                       f"{sum(1 for _, took in rows if took * 1e3 > args.slo)}", flush=True)
         finally:
-            job.terminate()
-            job.wait(60)
+            job.close()
     return 0
 
 

@@ -216,11 +216,9 @@ class OpenVinoBackend(Backend):
             raise BackendError(f"OpenVINO cannot read {model_path}: {exc}",
                                "check that the file is a valid ONNX or OpenVINO IR model") from None
         # make the batch axis dynamic where the file fixed it, so batches of any size run
-        batched = [p for p in model.inputs if p.get_partial_shape().rank.is_static and len(p.get_partial_shape()) > 0]
-        self._dynamic_shapes = {p.get_any_name(): ov.PartialShape([ov.Dimension(), *list(p.get_partial_shape())[1:]])
-                                for p in batched}
-        if any(p.get_partial_shape()[0].is_static for p in batched):
-            model.reshape(self._dynamic_shapes)
+        batched = _batch_shapes(model, None)
+        if batched:
+            model.reshape(batched)
         # compiling may add fused-node names to a port; the read model keeps the file's names, in order
         self.inputs = [_ov_info(p.get_any_name(), p) for p in model.inputs]
         self.outputs = [_ov_info(p.get_any_name(), p) for p in model.outputs]
@@ -236,8 +234,7 @@ class OpenVinoBackend(Backend):
         self.static_batch = static_batch if batched and len(batched) == len(model.inputs) else None
         self.model_path, self.threads, self.streams = model_path, threads, streams
         if self.static_batch is not None:
-            model.reshape({name: ov.PartialShape([static_batch, *list(shape)[1:]])
-                           for name, shape in self._dynamic_shapes.items()})
+            model.reshape(_batch_shapes(model, self.static_batch))
         self._main = self._compile(model)  # the read model is not kept: its weights would stay in memory
         self._dynamic: _OvCompiled | None = None if self.static_batch is not None else self._main
         # OpenVINO keeps f32 where the CPU has no native bf16: report what the compiled model runs
@@ -260,13 +257,22 @@ class OpenVinoBackend(Backend):
         if self.static_batch is not None and arrays[0].shape[0] != self.static_batch:
             if self._dynamic is None:  # the first batch of another size: read and compile the dynamic form
                 model = self._core.read_model(self.model_path)
-                model.reshape(self._dynamic_shapes)
+                model.reshape(_batch_shapes(model, None))
                 self._dynamic = self._compile(model)
             form = self._dynamic
         return dict(zip((info.name for info in self.outputs), form.run(arrays, len(self.outputs))))
 
     def close(self) -> None:
         self._main = self._dynamic = None
+
+
+def _batch_shapes(model: Any, batch: int | None) -> dict[str, Any]:
+    """Each input of static rank with its first (batch) axis set to `batch` rows, or to any number (None)."""
+    import openvino as ov
+
+    return {p.get_any_name(): ov.PartialShape([ov.Dimension() if batch is None else batch,
+                                               *list(p.get_partial_shape())[1:]])
+            for p in model.inputs if p.get_partial_shape().rank.is_static and len(p.get_partial_shape()) > 0}
 
 
 def _precision_name(element_type: Any) -> str:

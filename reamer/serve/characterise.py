@@ -27,6 +27,7 @@ from reamer.host.perf import CounterSample, PerfSupport, PerfUnsupported
 from reamer.plan.partition import ProfilePoint
 from reamer.serve import profiler
 from reamer.serve.samples import SampleSpec
+from reamer.serve.spec import static_batch_for
 
 Classification = Literal["scale-up", "scale-out"]
 
@@ -185,7 +186,7 @@ def _characterise_with_counters(model: str, backend: str, cpus: list[int], batch
     for batch in batches:
         cfg = profiler.WorkerConfig(model, backend, cpus, wide, batch, warmup_s, window_s, windows,
                                     fixed_windows=windows, samples=profiler._doc(samples), precision=precision,
-                                    static_batch=1 if batch == 1 else None)
+                                    static_batch=static_batch_for(batch))
         with profiler.ProfileWorker(cfg) as worker:
             worker.wait_ready(timeout_s)
             worker.go()

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from reamer.host.errors import ReamerError
+from reamer.serve.spec import static_batch_for
 
 if TYPE_CHECKING:
     from reamer.plan.partition import ProfilePoint
@@ -58,7 +59,9 @@ class WorkerConfig:
     samples: dict | None = None  # samples.SampleSpec.to_doc(): the traffic's shapes and sample data
     streams: int = 1  # OpenVINO streams sharing `threads` (each batch is split among them)
     precision: str = "f32"  # "bf16": OpenVINO computes in bfloat16 where the CPU supports it
-    static_batch: int | None = None  # OpenVINO compiles for this batch first, as a job's max-batch-1 instance does
+    # OpenVINO compiles for this batch first, as the job's instance would (spec.static_batch_for); a point
+    # session compiles batch 1 and measures other batches on the dynamic form, as a max-batch-1 instance runs them
+    static_batch: int | None = None
 
 
 @dataclass
@@ -328,7 +331,7 @@ def measure_layout_detail(model_path: str | os.PathLike, backend: str, layout: A
         configs.append(WorkerConfig(os.fspath(model_path), backend, chosen[start:start + inst.cores], threads,
                                     inst.batch, warmup_s, window_s, windows, 0.0, fixed_windows=max(1, windows),
                                     samples=_doc(samples), streams=getattr(inst, "streams", 1),
-                                    precision=precision, static_batch=1 if inst.batch == 1 else None))
+                                    precision=precision, static_batch=static_batch_for(inst.batch)))
         start += inst.cores
     results = _run_workers(configs, timeout_s)
     pooled = [lat for r in results for lat in r.latencies_ms]

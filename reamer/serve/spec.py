@@ -59,6 +59,12 @@ class SpecError(ReamerError):
     """A job spec file is missing, unreadable or inconsistent."""
 
 
+def static_batch_for(max_batch: int) -> int | None:
+    """The batch size an instance's OpenVINO compiles for first (backends.OpenVinoBackend's `static_batch`): 1 where
+    the instance's max batch is 1, so nearly all its batches are one row; None (the dynamic form) where they vary."""
+    return 1 if max_batch == 1 else None
+
+
 @dataclass(frozen=True)
 class InstanceSpec:
     """One instance worker: the cpus it is pinned to, runtime threads, max batch, scheduling policy."""

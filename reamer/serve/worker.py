@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable
 
 from reamer.host.errors import ReamerError
-from reamer.serve.spec import InstanceSpec, append_event
+from reamer.serve.spec import InstanceSpec, append_event, static_batch_for
 from reamer.serve.v2wire import binary_reply  # light (json, http); numpy only inside its functions
 
 if TYPE_CHECKING:
@@ -281,9 +281,7 @@ def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_p
     try:
         from reamer.serve.backends import open_backend
 
-        # an instance that only ever gets one row compiles for it (OpenVINO runs static shapes faster)
-        backend = open_backend(backend_kind, model_path, threads, streams, precision,
-                               static_batch=1 if max_batch == 1 else None)
+        backend = open_backend(backend_kind, model_path, threads, streams, precision, static_batch_for(max_batch))
     except BaseException as exc:  # noqa: BLE001 - any failure here must reach the parent as text
         conn.send(("fatal", f"cannot open model {model_path} with {backend_kind}: {exc}"))
         raise SystemExit(3)
