@@ -136,6 +136,19 @@ def step_from(rate_rps: float, duration_s: float, scheduled_s: Sequence[float], 
                 wall_s, cpu_ms, detail)
 
 
+def step_seconds(rate_rps: float, slo_ms: float, *, step_s: float, min_requests: int, precision: float,
+                 max_step_s: float) -> float:
+    """How long a step at `rate_rps` offers load: at least `step_s`, at least `min_requests` arrivals (a p99 that
+    means something at low rates), and long enough for the queue of a server short of the rate by half the
+    search's precision to show. Such a server's backlog grows by precision/2 s of work per second of arrivals;
+    kept_up() compares the last quarter's median latency (arrivals centred at 7/8 of the step) with the first
+    half's (at 1/4), 5/8 of the step apart, and fails a growth of SLO/4: 5/8 T precision/2 >= SLO/4 gives
+    T >= 0.8 SLO / precision (10 s for a 1 s SLO at 8 %). Shorter steps let a server that only queues pass a
+    rate it cannot hold."""
+    steady_s = 0.8 * slo_ms / 1e3 / precision
+    return min(max(step_s, min_requests / rate_rps, steady_s), max_step_s)
+
+
 # --- the rate search (pure: unit-tested against a simulated server) -----------------------------------------
 
 Probe = Callable[[float], Step]
@@ -729,18 +742,21 @@ class ReamerJob:
 def _searches(server, capacity: float, args: argparse.Namespace, slos: Sequence[float],
               log: Callable[[str], None]) -> dict[str, Any]:
     """Warm-up, then the rate search for each SLO on one server (later SLOs start from the earlier steps)."""
-    def probe(rate: float) -> Step:
-        # long enough for a p99 that means something at low rates: at least --min-requests arrivals
-        duration = min(max(args.step, args.min_requests / rate), args.max_step)
-        step = server.step(rate, duration, args.seed, max(5.0, 5 * max(slos) / 1e3))
-        log(f"    {rate:9.2f}/s  p99 {step.p99_ms:8.1f} ms  ok {step.ok}/{step.sent}  p50 early/late "
-            f"{step.early_p50_ms:.0f}/{step.late_p50_ms:.0f} ms  driver cpu {step.cpu_ms or 0:.2f} ms/req")
-        return step
+    def probe_for(slo_ms: float) -> Callable[[float], Step]:
+        def probe(rate: float) -> Step:
+            duration = step_seconds(rate, slo_ms, step_s=args.step, min_requests=args.min_requests,
+                                    precision=args.precision, max_step_s=args.max_step)
+            step = server.step(rate, duration, args.seed, max(5.0, 5 * max(slos) / 1e3))
+            log(f"    {rate:9.2f}/s  {duration:4.1f} s  p99 {step.p99_ms:8.1f} ms  ok {step.ok}/{step.sent}  p50 "
+                f"early/late {step.early_p50_ms:.0f}/{step.late_p50_ms:.0f} ms  driver cpu {step.cpu_ms or 0:.2f} "
+                f"ms/req")
+            return step
+        return probe
 
     server.step(min(max(capacity * 0.3, 0.5), args.max_rate * 0.3), args.warmup, args.seed + 1, 10.0)  # discarded
     out, known = {}, []
     for i, slo in enumerate(slos):
-        found = search_rate(probe, slo, min(max(capacity * 0.7, 0.1), args.max_rate), known=known,
+        found = search_rate(probe_for(slo), slo, min(max(capacity * 0.7, 0.1), args.max_rate), known=known,
                             max_steps=args.steps if i == 0 else args.more_steps, precision=args.precision,
                             max_rps=args.max_rate)
         known += found.steps
@@ -865,8 +881,10 @@ def render(data: dict) -> str:
         f"Command: `{data['command']}` · machine: {m['cpu_model']}, {m['cpus']} cpus, all of them given to every "
         f"contender ({data['cpus']}) · load average (1 min) {data['load_start'][0]} at the start, "
         f"{data['load_end'][0]} at the end (per row below) · {data['started']}–{data['ended']} UTC · steps of "
-        f"{data['step_s']} s (longer where fewer than {data.get('min_requests', 0)} requests would arrive, up to "
-        f"{data.get('max_step_s', '-')} s), Poisson arrivals seed {data['seed']}, rate precision "
+        f"{data['step_s']} s (longer where fewer than {data.get('min_requests', 0)} requests would arrive"
+        + (", and at least 0.8 × SLO / precision, so that a queue growing at half the precision shows"
+           if data.get("steady_steps") else "")
+        + f", up to {data.get('max_step_s', '-')} s), Poisson arrivals seed {data['seed']}, rate precision "
         f"{data['precision']:.0%}.",
         "",
         "Rate = the highest open-loop request rate (requests/s, batch 1 per request) with every request answered, "
@@ -982,7 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=float, default=4.0, help="seconds of arrivals per rate step (default 4)")
     p.add_argument("--min-requests", type=int, default=30,
                    help="a step lasts until this many arrivals are due (default 30), at most --max-step s")
-    p.add_argument("--max-step", type=float, default=20.0, help="the longest step, seconds (default 20)")
+    p.add_argument("--max-step", type=float, default=30.0, help="the longest step, seconds (default 30)")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of discarded load on each server first")
     p.add_argument("--steps", type=int, default=5, help="rate steps of a first search (default 5)")
     p.add_argument("--more-steps", type=int, default=3, help="rate steps of a peer's 200 ms search (default 3)")
@@ -1030,7 +1048,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/online_peers.py " + " ".join(sys.argv[1:] if argv is None else argv)
     data: dict[str, Any] = {"command": command,
                             "machine": machine_info(), "cpus": cpus, "step_s": args.step,
-                            "min_requests": args.min_requests,
+                            "min_requests": args.min_requests, "steady_steps": True,
                             "max_step_s": args.max_step, "seed": args.seed,
                             "precision": args.precision, "client": args.client, "contenders": contenders,
                             "load_start": loadavg(),

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 
 from online_peers import (HTTP_PEERS, INPROCESS_PEERS, SECTION, Step, answer_check, binary_request,  # noqa: E402
                           bracket, parse_binary_request, parse_binary_response, ratios, render, search_rate,
-                          select_contenders, step_from, write_section)
+                          select_contenders, step_from, step_seconds, write_section)
 
 
 class SimulatedServer:
@@ -84,6 +84,23 @@ def test_shedding_or_falling_behind_fails_a_step_whatever_its_p99():
     assert behind.p99_ms < 1000 and not behind.kept_up(1000.0) and not behind.meets(1000.0)
     steady = step_from(10.0, 5.0, [i / 10 for i in range(50)], [20.0 + (i % 5) for i in range(50)], ["ok"] * 50)
     assert steady.meets(1000.0) and steady.meets(30.0) and not steady.meets(20.0)
+
+
+@pytest.mark.parametrize("slo_ms,precision", [(1000.0, 0.08), (200.0, 0.08), (1000.0, 0.03)])
+def test_a_step_lasts_long_enough_for_a_queue_growing_at_half_the_precision_to_fail_it(slo_ms, precision):
+    rate = 12.0
+    duration = step_seconds(rate, slo_ms, step_s=4.0, min_requests=30, precision=precision, max_step_s=60.0)
+
+    def step(seconds: float, overload: float) -> Step:  # each arrival waits for the backlog built up before it
+        times = [i / rate for i in range(int(rate * seconds))]
+        return step_from(rate, seconds, times, [100.0 + 1e3 * overload * t for t in times], ["ok"] * len(times))
+
+    assert not step(duration, 0.6 * precision).meets(slo_ms)
+    if duration > 4.0:  # the queue's growth sets the length, not the 4 s floor
+        assert step(duration, 0.3 * precision).meets(slo_ms)  # well inside the precision: still a pass
+        assert step(4.0, 0.6 * precision).meets(slo_ms)  # what a 4 s step let pass
+    assert step_seconds(rate, slo_ms, step_s=4.0, min_requests=30, precision=precision, max_step_s=3.0) == 3.0
+    assert step_seconds(1.0, 200.0, step_s=4.0, min_requests=30, precision=0.08, max_step_s=60.0) == 30.0
 
 
 def test_the_ceiling_ends_the_search_and_nothing_passing_reads_zero():
@@ -226,7 +243,7 @@ def test_a_run_from_before_the_http_peers_renders_as_it_did():
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the bench gives every contender two cpus")
 def test_quick_run_on_the_tiny_model(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "bench/online_peers.py", "--quick", "--models", "tiny", "--max-rate", "60", "--step", "1",
+        [sys.executable, "bench/online_peers.py", "--quick", "--models", "tiny", "--max-rate", "60", "--step", "1", "--max-step", "2",
          "--search-budget", "15", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = json.loads((tmp_path / "online_peers.json").read_text())["rows"][0]

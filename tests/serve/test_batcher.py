@@ -156,6 +156,33 @@ def test_a_request_that_arrives_late_in_a_batch_is_judged_by_what_is_left_of_it(
     assert snap.shed == 1 and snap.requests == 2  # answered: the one in flight and the late one
 
 
+def test_requests_that_would_ride_in_one_batch_with_the_queue_are_not_counted_twice(models, make_worker):
+    a = make_worker(models["tiny"], max_batch=4)
+    x = {"input": np.zeros((1, 16), np.float32)}
+
+    async def main():
+        b = DynamicBatcher(slo_ms=1200.0)
+        b.add_instance(a)
+        os.kill(a.pid, signal.SIGSTOP)
+        a.latency_ewma_s, a.batch_ewma = 0.5, 4.0  # batches of 4 in 500 ms: 8 samples/s
+        held = asyncio.ensure_future(b.infer(x))
+        await until(lambda: a.busy, what="batch in flight")
+        # 500 ms left of the batch in flight, then one batch of 4: the 4th queued request ends with the 1st at
+        # 1.0 s (counting each queued sample at 8/s would put it at 1.375 s and shed it)
+        queued = [asyncio.ensure_future(b.infer(x)) for _ in range(4)]
+        await until(lambda: len(b._queue) == 4, what="four queued, none shed")
+        with pytest.raises(Overloaded):
+            await b.infer(x)  # a whole batch ahead of it: 0.5 + 0.5 + 0.5 s > 1.2 s
+        os.kill(a.pid, signal.SIGCONT)
+        await asyncio.gather(held, *queued)
+        snap = b.stats.snapshot()
+        await b.close()
+        return snap
+
+    snap = asyncio.run(main())
+    assert snap.shed == 1 and snap.requests == 5
+
+
 def test_crash_fails_in_flight_batch_clearly_then_recovers(models, make_worker, tmp_path):
     w = make_worker(models["tiny"], max_batch=4)
     x = {"input": np.ones((1, 16), np.float32)}
