@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -101,6 +102,22 @@ def test_a_step_lasts_long_enough_for_a_queue_growing_at_half_the_precision_to_f
         assert step(4.0, 0.6 * precision).meets(slo_ms)  # what a 4 s step let pass
     assert step_seconds(rate, slo_ms, step_s=4.0, min_requests=30, precision=precision, max_step_s=3.0) == 3.0
     assert step_seconds(1.0, 200.0, step_s=4.0, min_requests=30, precision=0.08, max_step_s=60.0) == 30.0
+
+
+def test_a_refused_request_counts_as_a_late_one_and_a_failed_one_fails_the_step():
+    def step(statuses: list[str]) -> Step:
+        return step_from(20.0, 10.0, [i / 20 for i in range(len(statuses))], [50.0] * len(statuses), statuses)
+
+    one_shed = step(["shed"] + ["ok"] * 199)  # 0.5 %: like a peer answering 0.5 % of its requests late
+    assert one_shed.p99_ms == 50.0 and one_shed.meets(200.0)
+    three_shed = step(["ok", "shed"] * 3 + ["ok"] * 194)  # 1.5 %: the p99 request was refused
+    assert not three_shed.meets(200.0) and "3 shed of 200" in three_shed.why_not(200.0)
+    late = step_from(20.0, 10.0, [i / 20 for i in range(200)], [500.0] * 3 + [50.0] * 197, ["ok"] * 200)
+    assert not late.meets(200.0)  # the same 1.5 % answered late fails alike
+    one_error = step(["error"] + ["ok"] * 199)
+    assert not one_error.meets(200.0) and "1 failed" in one_error.why_not(200.0)
+    from_before = Step(**{**asdict(one_shed), "p99_with_shed_ms": math.nan})  # a run's JSON from before the field
+    assert not from_before.meets(200.0)
 
 
 def test_the_ceiling_ends_the_search_and_nothing_passing_reads_zero():
@@ -254,8 +271,8 @@ def test_quick_run_on_the_tiny_model(tmp_path):
         assert steps and all(s["sent"] > 0 for s in steps)
         for slo, result in results.items():
             if result["rate_rps"] > 0:  # the reported rate is one of the contender's passing steps
-                assert any(s["rate_rps"] == result["rate_rps"] and s["ok"] == s["sent"] and
-                           s["p99_ms"] <= float(slo) for s in steps), (contender, slo)
+                assert any(s["rate_rps"] == result["rate_rps"] and Step(**s).meets(float(slo))
+                           for s in steps), (contender, slo)
     # reamer's requests went through its front door and came back answered (binary tensors accepted)
     reamer_steps = [s for r in row["results"]["reamer"].values() for s in r["steps"]]
     assert any(s["ok"] > 0 for s in reamer_steps)
