@@ -1013,8 +1013,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated (default {DEFAULT_MODELS}; also tiny)")
     p.add_argument("--cpus", default=None, help="cpu list, e.g. 0,1 (default: every cpu this process may use)")
     p.add_argument("--step", type=float, default=4.0, help="seconds of arrivals per rate step (default 4)")
-    p.add_argument("--min-requests", type=int, default=30,
-                   help="a step lasts until this many arrivals are due (default 30), at most --max-step s")
+    p.add_argument("--min-requests", type=int, default=200,
+                   help="a step lasts until this many arrivals are due (default 200: the p99 of fewer than 100 is "
+                        "their slowest), at most --max-step s")
     p.add_argument("--max-step", type=float, default=30.0, help="the longest step, seconds (default 30)")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds of discarded load on each server first")
     p.add_argument("--steps", type=int, default=5, help="rate steps of a first search (default 5)")
