@@ -155,12 +155,12 @@ class DynamicBatcher:
         a full batch of its own. (Counting a whole batch for the one in flight shed requests that arrived late in
         it, and would have made it; counting every queued sample and the mean batch's latency ran 53-82 ms high
         for BERT-base at max batch 4, bench/shed_accuracy.py.)"""
-        measured = [(w, w.service_rate()) for w in self.workers if w.ready and w.service_rate()]
+        measured = [(w.spec.max_batch, rate) for w in self.workers if w.ready and (rate := w.service_rate())]
         if not measured:
             return None
         rates = [rate for _, rate in measured]
         # its own batch fills up to the instance's max batch while it waits: count a full one at the measured rate
-        full_batch_s = [w.spec.max_batch / rate for w, rate in measured]
+        full_batch_s = [max_batch / rate for max_batch, rate in measured]
         now = time.monotonic()
         # an overdue batch is still counted at a quarter of its usual time: when it ends is unknown
         left = [max(lane.worker.latency_ewma_s - (now - lane.busy_since), 0.25 * lane.worker.latency_ewma_s)
