@@ -24,9 +24,10 @@ reamer's client with the same request and arrivals. Its first answer is checked 
 Every contender sees the same Poisson arrivals (reamer.serve.loadgen.poisson_schedule, seed `--seed`, the same
 pattern stretched to each rate) and the same sample request. A rate passes when no request fails, p99 <= SLO
 (nearest rank: at least 99 % of the requests within the SLO) with each refused (shed, 503) request counted as
-answered too late (a refusal misses the SLO as a late answer
-does, no more: a peer may answer 1 % late, reamer may refuse 1 %), and the server keeps up with the offered rate (the median latency of the last
-quarter of the arrivals at most SLO/4 above that of the first half: a growing queue shows there). The rate
+answered too late (a refusal misses the SLO as a late answer does, no more: a peer may answer 1 % late, reamer
+may refuse 1 %), and the server keeps up with the offered rate (the median latency of the last quarter of the
+arrivals at most SLO/4 above that of the first half: a growing queue shows there; steps last long enough for
+that, `step_seconds`). The rate
 search: geometric steps from 0.7x the contender's closed-loop throughput until a pass and a fail bracket the answer, then
 geometric bisection until the bracket is within `--precision` or the steps run out; the 200 ms search of a
 peer starts from the bracket its 1 s search left (same server, same steps), reamer's runs on its own job.
@@ -907,8 +908,9 @@ def render(data: dict) -> str:
            if data.get("shed_counts_late") else "every request answered, p99 ≤ the SLO")
         + (" (p99 by nearest rank: at least 99 % of the requests within it)" if data.get("p99_nearest_rank") else "")
         + " and no growing queue (the last quarter's median latency at most SLO/4 above the first "
-        "half's); p99 in ms at that rate (of the answered requests). reamer = the layout its search picks for the SLO (both backends, the "
-        "agent's deploy settings), served as a real online job and driven through its REST front door (binary "
+        "half's); p99 in ms at that rate (of the answered requests). reamer = the layout its search picks for the "
+        "SLO (both backends, the agent's deploy settings), served as a real online job and driven through its "
+        "REST front door (binary "
         f"tensors, the {data.get('client', 'lean')} client on the same cpus, its cpu per request in the JSON).",
     ]
     if inproc:
@@ -1067,7 +1069,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python bench/online_peers.py " + " ".join(sys.argv[1:] if argv is None else argv)
     data: dict[str, Any] = {"command": command,
                             "machine": machine_info(), "cpus": cpus, "step_s": args.step,
-                            "min_requests": args.min_requests, "steady_steps": True, "shed_counts_late": True, "p99_nearest_rank": True,
+                            "min_requests": args.min_requests,
+                            "steady_steps": True, "shed_counts_late": True, "p99_nearest_rank": True,
                             "max_step_s": args.max_step, "seed": args.seed,
                             "precision": args.precision, "client": args.client, "contenders": contenders,
                             "load_start": loadavg(),

@@ -262,8 +262,9 @@ def test_a_run_from_before_the_http_peers_renders_as_it_did():
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the bench gives every contender two cpus")
 def test_quick_run_on_the_tiny_model(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "bench/online_peers.py", "--quick", "--models", "tiny", "--max-rate", "60", "--step", "1", "--max-step", "2",
-         "--search-budget", "15", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [sys.executable, "bench/online_peers.py", "--quick", "--models", "tiny", "--max-rate", "60", "--step", "1",
+         "--max-step", "2", "--search-budget", "15", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = json.loads((tmp_path / "online_peers.json").read_text())["rows"][0]
     assert "error" not in row, row
