@@ -45,11 +45,13 @@ def main() -> int:
         print(f"run {run} ({time.strftime('%H:%M:%S', time.gmtime())} UTC): {time.monotonic() - started:.1f} s, "
               f"complete {out.complete}, pick {pick}", flush=True)
         for r in out.rows:
-            if r.kind == "layout":
-                print(f"  verified {r.layout:30} {r.throughput_rps:7.2f}/s  batch p99 {r.p99_ms:6.1f} ms")
+            if r.kind in ("layout", "final"):
+                print(f"  {'verified' if r.kind == 'layout' else 'final':8} {r.layout:30} {r.throughput_rps:7.2f}/s"
+                      f"  batch p99 {r.p99_ms:6.1f} ms")
         for c in out.candidates[:8]:
+            sustains = f"  sustains {c.sustained_rps:6.2f}/s" if c.sustained_rps is not None else ""
             print(f"  candidate {format_layout(c.layout):29} {c.rps:7.2f}/s  batch p99 {c.p99_ms:6.1f} ms"
-                  f"  ({'measured' if c.measured_rps is not None else 'predicted'})")
+                  f"  ({'measured' if c.measured_rps is not None else 'predicted'}){sustains}")
     return 0
 
 

@@ -217,6 +217,7 @@ def candidate_dict(candidate, batch_target_ms: float | None) -> dict:
         "predicted_rps": known(candidate.predicted_rps),
         "predicted_p99_ms": known(candidate.predicted_p99_ms),
         "meets_slo": batch_target_ms is None or candidate.p99_ms <= batch_target_ms,
+        "sustained_rps": candidate.sustained_rps,
     }
 
 
@@ -267,10 +268,12 @@ def write_plot(path: str, data: dict, rows: list[MeasurementRow]) -> None:
     left.set_title("one instance alone")
     if points:
         left.legend()
-    for kind, marker in (("point", "o"), ("layout", "s")):
+    for kind, marker, label in (("point", "o", "single instance"), ("layout", "s", "layout (together)"),
+                                ("final", "^", "finals run")):
         mine = [r for r in rows if r.kind == kind]
-        right.scatter([r.p99_ms for r in mine], [r.throughput_rps for r in mine], marker=marker,
-                      label="single instance" if kind == "point" else "layout (together)", alpha=0.7)
+        if mine:
+            right.scatter([r.p99_ms for r in mine], [r.throughput_rps for r in mine], marker=marker, label=label,
+                          alpha=0.7)
     if data["batch_target_ms"] is not None:
         right.axvline(data["batch_target_ms"], color="red", linestyle="--",
                       label=f"batch p99 target {data['batch_target_ms']:g} ms (half the SLO)")
@@ -388,9 +391,11 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
         write_plot(plot_path, data, rows)
 
     def render(d: dict) -> str:
+        online = d["slo_ms"] is not None
         table = render_table(
-            ["rank", "layout", "inferences/s", "p99 ms", "meets slo", "verified"],
+            ["rank", "layout", "inferences/s", "p99 ms", "meets slo", "verified"] + (["sustains/s"] if online else []),
             [[i + 1, c["layout"], c["throughput_rps"], c["p99_ms"], c["meets_slo"], c["verified"]]
+             + ([c["sustained_rps"] if c["sustained_rps"] is not None else "-"] if online else [])
              for i, c in enumerate(d["candidates"])])
         extra = [f"measurements written to {csv_path}" if csv_path else "",
                  f"plot written to {plot_path}" if plot_path else "",

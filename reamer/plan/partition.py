@@ -38,6 +38,8 @@ class Candidate:
     predicted_p99_ms: float
     measured_rps: float | None = None
     measured_p99_ms: float | None = None
+    # online finalists: the open-loop rate it sustains under the SLO, simulated (reamer.plan.online_sim)
+    sustained_rps: float | None = None
 
     @property
     def rps(self) -> float:

@@ -13,20 +13,22 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from reamer.host.errors import ReamerError
 from reamer.plan.admission import batch_latency_target_ms
 from reamer.plan.layout import InstanceShape, Layout, count_layouts, format_layout, parse_layout
+from reamer.plan.online_sim import NEAR_TIE, rank_by_sustained
 from reamer.plan.partition import Candidate, NoFeasibleLayout, ProfilePoint
 from reamer.plan.search import (BackendScreen, SearchResult, count_backend_layouts, exhaustive_search,
                                 plan_from_profile, quick_search_backends)
 from reamer.serve.samples import SampleSpec
 
 if TYPE_CHECKING:
-    from reamer.serve.profiler import PointSession
+    from reamer.serve.profiler import LayoutSession, PointSession
 
 log = logging.getLogger("reamer.layout_search")
 
@@ -53,9 +55,25 @@ class MeasureSettings:
     verify_windows: int = 4  # per layout verification (all instances together)
 
 
+@dataclass(frozen=True)
+class FinalsSettings:
+    """The search's finals: the leading measured layouts, within `margin` of the fastest (closed-loop
+    figures that close are a tie within the search's noise), loaded together and run in turn, `rounds`
+    times, with longer windows; the mean of their runs replaces their search figures. They get what is
+    left of the budget, at least `budget_share` of it (the search stops earlier to leave it)."""
+
+    finalists: int = 3
+    rounds: int = 2
+    margin: float = NEAR_TIE
+    window_s: float = 0.5
+    windows: int = 4
+    rewarm_s: float = 0.25  # before each run: the other finalists' runs evicted its caches
+    budget_share: float = 0.25
+
+
 @dataclass
 class MeasurementRow:
-    kind: str  # "point" (one instance alone) or "layout" (all instances together)
+    kind: str  # "point" (one instance alone), "layout" (all instances together) or "final" (a finals run)
     layout: str
     cores: int
     instances: int
@@ -259,15 +277,19 @@ class _Runs:
                                         (cores, batch) in self.cached, self.backend))
         return point
 
-    def verify(self, layout: Layout) -> tuple[float, float]:
-        from reamer.serve.profiler import measure_layout
-
-        self.close()  # the layout's instances run alone on the cpus: no idle point worker beside them
+    def slowest_batch_ms(self, layout: Layout) -> float | None:
+        """The expected latency of the layout's slowest batch with all its instances running (None: unknown)."""
         latencies = [self.batch_ms(shape.cores, shape.batch) for shape in layout.instances]
         slowest = None if any(lat is None for lat in latencies) else max(latencies)  # type: ignore[type-var]
         if slowest is not None and len(layout.instances) > 1:
             slowest *= TOGETHER_SLOWDOWN
-        timeout_s = self._timeout_s(self.expected_s(slowest, self.settings.verify_windows))
+        return slowest
+
+    def verify(self, layout: Layout) -> tuple[float, float]:
+        from reamer.serve.profiler import measure_layout
+
+        self.close()  # the layout's instances run alone on the cpus: no idle point worker beside them
+        timeout_s = self._timeout_s(self.expected_s(self.slowest_batch_ms(layout), self.settings.verify_windows))
         started = time.monotonic()
         s = self.settings
         rps, p99 = measure_layout(self.model_path, self.backend, layout, self.cpus, warmup_s=s.warmup_s,
@@ -279,6 +301,18 @@ class _Runs:
                                         "/".join(map(str, batches)), rps, p99, time.monotonic() - started,
                                         backend=self.backend))
         return rps, p99
+
+    def finals_session(self, layout: Layout, finals: FinalsSettings) -> "LayoutSession":
+        from reamer.serve.profiler import LayoutSession
+
+        return LayoutSession(self.model_path, self.backend, layout, self.cpus, warmup_s=self.settings.warmup_s,
+                             window_s=finals.window_s, windows=finals.windows, samples=self.samples,
+                             precision=self.precision)
+
+    def finals_run_s(self, layout: Layout, finals: FinalsSettings) -> float:
+        """A finals run's expected seconds: its re-warm-up and windows of at least one batch each."""
+        batch_s = (self.slowest_batch_ms(layout) or 0.0) / 1000.0
+        return finals.rewarm_s + batch_s + finals.windows * max(finals.window_s, batch_s)
 
     def points(self) -> list[ProfilePoint]:
         known = dict(self.cached)
@@ -356,6 +390,7 @@ def search_layout(
     samples: SampleSpec | None = None,
     drop_margin: float = 0.15,
     precision: str = "f32",
+    finals: FinalsSettings | None = FinalsSettings(),
 ) -> LayoutSearchOutcome:
     """Find the best layout for the model on all of `cpus` (one core per cpu), measured on them. With `slo_ms`
     (an online job's SLO) every layout is judged on its batch p99 against half of it (batch_latency_target_ms).
@@ -366,7 +401,9 @@ def search_layout(
     time has passed, or before a run that would certainly end after it (the run under way finishes), and
     plan from the points measured by then (`complete=False`); "default": QUICK_BUDGET_S for the quick search,
     none for the exhaustive one; None: no budget. `precision`: "f32" or "bf16" (OpenVINO computes in bfloat16 where the CPU supports it;
-    part of the cache key). `samples`: the traffic's shapes and data (they are part of the cache key). Raises reamer.serve.profiler.ProfileError when a measurement fails (points
+    part of the cache key). `samples`: the traffic's shapes and data (they are part of the cache key). `finals`: how
+    the quick search's leading layouts are run off against each other (FinalsSettings; None: not at all); with an
+    SLO, the finalists are then ranked by the rate each sustains under it, simulated (plan.online_sim). Raises reamer.serve.profiler.ProfileError when a measurement fails (points
     measured before it are still cached) and, with `strict_cache`, ProfileCacheUnwritable when the
     cache cannot be written (else that is logged and the outcome returned).
     """
@@ -379,11 +416,16 @@ def search_layout(
     n_cores = len(cpus)
     if budget_s == "default":
         budget_s = None if exhaustive else QUICK_BUDGET_S
+    if exhaustive:
+        finals = None
     deadline = time.monotonic() + budget_s if budget_s is not None else None
+    # the search stops early enough to leave the finals their share
+    search_deadline = (deadline - budget_s * finals.budget_share if deadline is not None and budget_s is not None
+                       and finals is not None else deadline)
     rows: list[MeasurementRow] = []
     worker = _PointWorker()
     runs = {b: _Runs(model_path, b, cpus, settings, cached_points(cache_dir, model_path, b, samples, precision),
-                     deadline, samples, rows, tag=len(backends) > 1, precision=precision, worker=worker)
+                     search_deadline, samples, rows, tag=len(backends) > 1, precision=precision, worker=worker)
             for b in backends}
     space = count_backend_layouts(n_cores, batches, backends) if not exhaustive else \
         count_layouts(n_cores, batches) * len(backends)
@@ -463,6 +505,21 @@ def search_layout(
         candidates = [Candidate(c.layout.on(None), c.predicted_rps, c.predicted_p99_ms, c.measured_rps,
                                 c.measured_p99_ms) for c in candidates]
     candidates = distinct_layouts(_rank(candidates, target_ms))
+    online = slo_ms is not None and target_ms is not None
+
+    def by_sustained(ranked: list[Candidate]) -> list[Candidate]:
+        """Online: of the near-equal throughputs, the one that holds the SLO best first."""
+        assert slo_ms is not None and target_ms is not None
+        return rank_by_sustained(ranked, slo_ms, target_ms, lambda layout: runs[layout.backend or backends[0]].points(),
+                                 finals.margin if finals is not None else NEAR_TIE)
+
+    if online:  # the finalists are the ones that sustain most, on the search's figures
+        candidates = by_sustained(candidates)
+    if finals is not None:
+        candidates, finalists = _run_finals(candidates, target_ms, lambda layout: runs[layout.backend or backends[0]],
+                                            finals, deadline, rows, len(backends) > 1, progress)
+        if online and finalists:  # and the finals' figures decide among them
+            candidates = by_sustained(candidates[:finalists]) + candidates[finalists:]
     best = candidates[0] if candidates and _meets(candidates[0].p99_ms, target_ms) else None
     gain = best.rps / base.throughput_rps if best is not None and base is not None and base.throughput_rps > 0 else None
     chosen = (best.layout.backend if best is not None else None) or backends[0]
@@ -472,6 +529,70 @@ def search_layout(
                                batch_target_ms=target_ms,
                                backend=chosen, backends=backends, screens=screens,
                                points_by_backend={b: r.points() for b, r in runs.items()})
+
+
+def _run_finals(candidates: list[Candidate], target_ms: float | None, runs_of: Callable[[Layout], _Runs],
+                finals: FinalsSettings, deadline: float | None, rows: list[MeasurementRow], tag: bool,
+                progress: ProgressFn | None) -> tuple[list[Candidate], int]:
+    """The measured layouts meeting `target_ms` within `finals.margin` of the fastest (the first
+    `finals.finalists` of them in the order given), loaded together and run in turn for `finals.rounds` rounds, the order rotating:
+    their means replace their search figures, and those still meeting `target_ms` rank first. As many rounds
+    and finalists (two at least) as fit before `deadline`. Returns the candidates and how many of the first
+    are finalists meeting `target_ms` (0: no finals ran, `candidates` unchanged)."""
+    from reamer.serve.profiler import ProfileError
+
+    leading = [c for c in candidates if c.measured_rps is not None and _meets(c.p99_ms, target_ms)]
+    fastest = max((c.rps for c in leading), default=0.0)
+    finalists = [c for c in leading if c.rps >= fastest * (1.0 - finals.margin)][:finals.finalists]
+    left = math.inf if deadline is None else deadline - time.monotonic()
+    rounds = finals.rounds
+
+    def needed_s(group: list[Candidate], n_rounds: int) -> float:
+        return sum(runs_of(c.layout).overhead_s() + runs_of(c.layout).settings.warmup_s
+                   + n_rounds * runs_of(c.layout).finals_run_s(c.layout, finals) for c in group)
+
+    while len(finalists) >= 2 and needed_s(finalists, rounds) > left:
+        if rounds > 1:
+            rounds -= 1
+        else:
+            finalists = finalists[:-1]
+    if len(finalists) < 2:
+        return candidates, 0
+
+    def timeout_s() -> float:  # as the search's runs: one started in time may finish, a hung one may not hold us
+        return 600.0 if deadline is None else max(1.0, deadline - time.monotonic() + 30.0)
+
+    results: list[list[tuple[float, float]]] = [[] for _ in finalists]
+    sessions = []
+    try:
+        for c in finalists:
+            sessions.append(runs_of(c.layout).finals_session(c.layout, finals))
+            sessions[-1].start(timeout_s())
+        for r in range(rounds):
+            for i in range(len(finalists)):
+                k = (i + r) % len(finalists)
+                c, session = finalists[k], sessions[k]
+                started = time.monotonic()
+                m = session.run(finals.rewarm_s, timeout_s())
+                results[k].append((m.throughput_rps, m.p99_ms))
+                label = _label(c.layout, tag)
+                rows.append(MeasurementRow("final", label, c.layout.total_cores, len(c.layout.instances),
+                                           "/".join(str(b) for b in sorted({s.batch for s in c.layout.instances})),
+                                           m.throughput_rps, m.p99_ms, time.monotonic() - started,
+                                           backend=runs_of(c.layout).backend))
+                if progress is not None:
+                    progress(len(rows), len(rows), f"final {label}")
+    except ProfileError as exc:  # the search's own figures still stand
+        log.warning("the search's finals were cut short: %s", exc.message)
+        return candidates, 0
+    finally:
+        for session in sessions:
+            session.close()
+    ran = [replace(c, measured_rps=statistics.fmean(rps for rps, _ in runs),
+                   measured_p99_ms=statistics.fmean(p99 for _, p99 in runs)) for c, runs in zip(finalists, results)]
+    kept = sorted((c for c in ran if _meets(c.p99_ms, target_ms)), key=lambda c: -c.rps)
+    rest = [c for c in candidates if all(c is not f for f in finalists)]
+    return kept + _rank([c for c in ran if c not in kept] + rest, target_ms), len(kept)
 
 
 def _tagged(layout: Layout, backend: str) -> Layout:

@@ -175,12 +175,19 @@ class ProfileWorker:
 
     def run_batch(self, batch: int, timeout_s: float = 300.0) -> WorkerResult:
         """Measure `batch` on the loaded model (re-warmed when the batch is new to it) and stay up for the next."""
+        self.send_run(batch)
+        return self.run_result(batch, timeout_s)
+
+    def send_run(self, batch: int, rewarm_s: float = 0.0) -> None:
+        """Ask for a measurement of `batch`; a batch the model last ran is first re-warmed for `rewarm_s`."""
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(f"RUN {json.dumps({'batch': batch})}\n")
+            self.proc.stdin.write(f"RUN {json.dumps({'batch': batch, 'rewarm_s': rewarm_s})}\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, ValueError):  # ValueError: our end was closed
             raise self._exited(f"the RESULT of batch {batch}") from None
+
+    def run_result(self, batch: int, timeout_s: float = 300.0) -> WorkerResult:
         _, data = self._next(time.monotonic() + timeout_s, f"the RESULT of batch {batch}")
         return WorkerResult(**data)
 
@@ -318,11 +325,9 @@ class PointSession:
         self.close()
 
 
-def measure_layout_detail(model_path: str | os.PathLike, backend: str, layout: Any, cpus: Sequence[int], *,
-                          warmup_s: float = 1.0, window_s: float = 0.5, windows: int = 4,
-                          timeout_s: float = 600.0, samples: "SampleSpec | None" = None,
-                          precision: str = "f32") -> LayoutMeasurement:
-    """Run every instance of `layout` (a plan.layout.Layout) together on disjoint slices of `cpus`."""
+def _layout_configs(model_path: str | os.PathLike, backend: str, layout: Any, cpus: Sequence[int], warmup_s: float,
+                    window_s: float, windows: int, samples: "SampleSpec | None", precision: str) -> list[WorkerConfig]:
+    """One worker per instance of `layout`, on disjoint slices of `cpus`, measuring exactly `windows` windows."""
     instances = list(layout.instances)
     chosen = _usable_cpus(cpus, sum(i.cores for i in instances))
     configs, start = [], 0
@@ -333,9 +338,70 @@ def measure_layout_detail(model_path: str | os.PathLike, backend: str, layout: A
                                     samples=_doc(samples), streams=getattr(inst, "streams", 1),
                                     precision=precision, static_batch=static_batch_for(inst.batch)))
         start += inst.cores
-    results = _run_workers(configs, timeout_s)
+    return configs
+
+
+def _together(results: list[WorkerResult]) -> LayoutMeasurement:
     pooled = [lat for r in results for lat in r.latencies_ms]
     return LayoutMeasurement(sum(r.overall_rps for r in results), p99(pooled), results)
+
+
+def measure_layout_detail(model_path: str | os.PathLike, backend: str, layout: Any, cpus: Sequence[int], *,
+                          warmup_s: float = 1.0, window_s: float = 0.5, windows: int = 4,
+                          timeout_s: float = 600.0, samples: "SampleSpec | None" = None,
+                          precision: str = "f32") -> LayoutMeasurement:
+    """Run every instance of `layout` (a plan.layout.Layout) together on disjoint slices of `cpus`."""
+    configs = _layout_configs(model_path, backend, layout, cpus, warmup_s, window_s, windows, samples, precision)
+    return _together(_run_workers(configs, timeout_s))
+
+
+class LayoutSession:
+    """The instances of one layout, loaded once and measured together as often as asked (a search's finals:
+    the finalists stay loaded, idle while another runs, so their runs interleave without a process start).
+
+    start() loads and warms them; run() re-warms each for `rewarm_s` (caches the other finalists' runs
+    evicted) and measures `windows` windows of all of them together; close() kills them."""
+
+    def __init__(self, model_path: str | os.PathLike, backend: str, layout: Any, cpus: Sequence[int], *,
+                 warmup_s: float = 1.0, window_s: float = 0.5, windows: int = 4,
+                 samples: "SampleSpec | None" = None, precision: str = "f32") -> None:
+        self.layout = layout
+        self.configs = _layout_configs(model_path, backend, layout, cpus, warmup_s, window_s, windows, samples,
+                                       precision)
+        self.workers: list[ProfileWorker] = []
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            for cfg in self.configs:
+                self.workers.append(ProfileWorker(cfg))
+            for w in self.workers:
+                w.wait_ready(max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, rewarm_s: float = 0.0, timeout_s: float = 300.0) -> LayoutMeasurement:
+        deadline = time.monotonic() + timeout_s
+        try:
+            for w, cfg in zip(self.workers, self.configs):  # start together
+                w.send_run(cfg.batch, rewarm_s)
+            return _together([w.run_result(cfg.batch, max(1.0, deadline - time.monotonic()))
+                              for w, cfg in zip(self.workers, self.configs)])
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        workers, self.workers = self.workers, []
+        for w in workers:
+            w.close()
+
+    def __enter__(self) -> "LayoutSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def measure_layout(model_path: str | os.PathLike, backend: str, layout: Any, cpus: Sequence[int],
@@ -399,13 +465,18 @@ def _worker_main(config_json: str) -> int:
         if command != "RUN":  # "EXIT", end of input (the parent went away) or anything else: done
             backend.close()
             return 0
-        batch = int(json.loads(payload)["batch"])
+        asked = json.loads(payload)
+        batch = int(asked["batch"])
         if batch != warm_batch:
             feeds = plan.batch(batch, np.random.default_rng(cfg.seed))
             if not _first_run(backend, cfg, plan, feeds):
                 return 2
             _rewarm(backend, feeds, cfg.warmup_s)
             warm_batch = batch
+        else:
+            warm_until = time.perf_counter() + float(asked.get("rewarm_s", 0.0))
+            while time.perf_counter() < warm_until:
+                backend.run(feeds)
         _emit("RESULT", asdict(_measure(backend, feeds, cfg, batch, _rows(plan, feeds))))
 
 

@@ -3,6 +3,7 @@ cpu, short windows), points cached and reused, a time budget that ends the searc
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -97,3 +98,49 @@ def test_an_online_layout_gets_half_the_slo_for_its_batch(tiny, tmp_path):
     assert tight.from_cache and not tight.new_points  # decided on the cached figures, nothing re-measured
     offline = search_layout(tiny, "onnxruntime", CPU, None, cache_dir=cache, batches=[1, 2, 4], settings=FAST)
     assert offline.batch_target_ms is None and format_layout(offline.best.layout) == "1x1:b4"
+
+
+
+def test_near_equal_leaders_are_run_off_in_finals_whose_means_decide(tiny):
+    """Three measured layouts within 10 % of each other (made-up search figures): the finals load them
+    together, run each in turn twice with the order rotating, and their means replace the search figures.
+    A layout half as fast is no finalist; with time for one round only, one round runs; with none, nothing."""
+    import math
+
+    from reamer.plan.layout import parse_layout
+    from reamer.plan.partition import Candidate
+    from reamer.serve.layout_search import FinalsSettings, _run_finals, _Runs
+
+    finals = FinalsSettings(window_s=0.05, windows=2, rewarm_s=0.01)
+    searched = [Candidate(parse_layout(text), math.nan, math.nan, rps, 1.0)
+                for text, rps in (("1x1:b2", 104.0), ("1x1:b1", 100.0), ("1x1:b4", 96.0), ("1x1:b8", 50.0))]
+    runs = _Runs(tiny, "onnxruntime", CPU, FAST, [], None)
+    rows = []
+    ranked, finalists = _run_finals(searched, None, lambda layout: runs, finals, None, rows, False, None)
+    assert [r.layout for r in rows] == ["1x1:b2", "1x1:b1", "1x1:b4", "1x1:b1", "1x1:b4", "1x1:b2"]
+    assert {r.kind for r in rows} == {"final"} and finalists == 3
+    assert {format_layout(c.layout) for c in ranked[:3]} == {"1x1:b1", "1x1:b2", "1x1:b4"}
+    for c in ranked[:3]:
+        mine = [r for r in rows if r.layout == format_layout(c.layout)]
+        assert c.measured_rps == pytest.approx(sum(r.throughput_rps for r in mine) / 2)
+        assert c.measured_p99_ms == pytest.approx(sum(r.p99_ms for r in mine) / 2)
+    assert [c.rps for c in ranked[:3]] == sorted((c.rps for c in ranked[:3]), reverse=True)
+    assert ranked[3] == searched[3]  # not a finalist: its search figures stand
+    # a deadline that leaves time for one round of two finalists only (each run's start-up costs 5 s here)
+    runs.overheads = [5.0]
+    rows = []
+    soon = time.monotonic() + 2 * (5.0 + FAST.warmup_s + runs.finals_run_s(searched[0].layout, finals)) + 0.5
+    ranked, finalists = _run_finals(searched, None, lambda layout: runs, finals, soon, rows, False, None)
+    assert [r.layout for r in rows] == ["1x1:b2", "1x1:b1"] and finalists == 2
+    rows = []
+    assert _run_finals(searched, None, lambda layout: runs, finals, time.monotonic() + 1.0, rows, False, None) \
+        == (searched, 0) and rows == []
+
+
+def test_an_online_pick_is_the_near_equal_layout_that_sustains_most_under_the_slo(tiny):
+    out = search_layout(tiny, "onnxruntime", CPU, 1000.0, cache_dir=None, batches=[1, 2, 4], settings=FAST)
+    judged = [c for c in out.candidates if c.sustained_rps is not None]
+    assert judged and out.best is judged[0]
+    assert out.best.sustained_rps == max(c.sustained_rps for c in judged) > 0
+    offline = search_layout(tiny, "onnxruntime", CPU, None, cache_dir=None, batches=[1, 2, 4], settings=FAST)
+    assert all(c.sustained_rps is None for c in offline.candidates)

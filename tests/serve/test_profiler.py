@@ -8,8 +8,9 @@ from reamer.host.errors import ReamerError
 from reamer.plan.layout import parse_layout
 from reamer.plan.partition import ProfilePoint
 from reamer.serve.models import build_model
-from reamer.serve.profiler import (ProfileWorker, WorkerConfig, layout_verifier, measure_layout,
-                                   measure_layout_detail, measure_point, point_measurer, window_is_stable)
+from reamer.serve.profiler import (LayoutSession, ProfileError, ProfileWorker, WorkerConfig, layout_verifier,
+                                   measure_layout, measure_layout_detail, measure_point, point_measurer,
+                                   window_is_stable)
 
 FAST = {"warmup_s": 0.1, "window_s": 0.15}
 CPUS = sorted(os.sched_getaffinity(0))
@@ -68,6 +69,31 @@ def test_measure_layout_runs_instances_together_on_disjoint_cpus(tiny):
     assert detail.p99_ms > 0
     rps, p99 = measure_layout(tiny, "onnxruntime", parse_layout("1x1:b4"), CPUS[:1], windows=2, **FAST)
     assert rps > 0 and p99 > 0
+
+
+def test_layout_sessions_stay_loaded_and_run_in_turn_until_closed(tiny):
+    """A search's finals: two layouts loaded at once, each run twice in turn by the same worker processes;
+    closing kills them. A worker that dies between runs fails the next run with a ProfileError."""
+    import signal
+
+    two = LayoutSession(tiny, "onnxruntime", parse_layout("1x1:b2"), CPUS[:1], windows=3, **FAST)
+    four = LayoutSession(tiny, "onnxruntime", parse_layout("1x1:b4"), CPUS[:1], windows=2, **FAST)
+    with two, four:
+        two.start(60)
+        four.start(60)
+        pids = [w.pid for w in two.workers + four.workers]
+        runs = [s.run(rewarm_s=0.05, timeout_s=60) for s in (two, four, two, four)]
+        assert [w.pid for w in two.workers + four.workers] == pids  # no process started between runs
+        assert all(w.proc.poll() is None for w in two.workers + four.workers)
+        assert [len(m.instances[0].window_rps) for m in runs] == [3, 2, 3, 2]  # the re-warm-up is not measured
+        assert [m.instances[0].batch for m in runs] == [2, 4, 2, 4]
+        assert all(m.throughput_rps > 0 and m.p99_ms > 0 for m in runs)
+        os.kill(four.workers[0].pid, signal.SIGKILL)
+        with pytest.raises(ProfileError, match="killed by signal 9"):
+            four.run(timeout_s=60)
+        assert four.workers == []  # closed: nothing left running
+        procs = [w.proc for w in two.workers]
+    assert all(p.poll() is not None for p in procs)
 
 
 def test_measurer_factories_fit_the_search_interface(tiny):
