@@ -81,7 +81,14 @@ def test_search_reuses_the_profile_cache_and_prints_a_headline(searched, tiny):
     assert "best layout 1x1:b" in result.stdout
     assert "of 2 possible layouts" in result.stdout
     assert "came from the profile cache" in result.stdout
-    assert "RANK" in result.stdout
+    assert "RANK" in result.stdout and "SUSTAINS/S" not in result.stdout
+    online = CliRunner().invoke(cli, ["search", tiny, "--backend", "onnxruntime", "--cores", "1", "--max-batch", "2",
+                                      "--slo-ms", "1000", "--cache-dir", str(out / "cache"), *FAST,
+                                      "--verify-windows", "1"])
+    assert online.exit_code == 0, online.output
+    header, first = [line for line in online.stdout.splitlines() if line.startswith(("RANK", "1 "))][:2]
+    assert header.split()[-1] == "SUSTAINS/S"
+    assert float(first.split()[-1]) > 0  # the pick's simulated rate under the SLO
 
 
 def test_search_that_no_layout_can_meet_fails_clearly(tiny, tmp_path):
