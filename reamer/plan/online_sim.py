@@ -6,9 +6,9 @@ run, so at equal throughput a layout of shorter batches (smaller ones, or more c
 more of the SLO for waiting. `sustained_rps` replays the online job's batching (reamer.serve.batcher) on
 simulated arrivals: one queue; an idle instance takes the oldest requests up to its max batch, waiting for a
 fuller batch at most min(0.2 × SLO, its batch latency) after the oldest arrived, and only while requests
-arrive densely enough for waiting to fill it. It finds the highest rate whose p99 (nearest rank, refused
-requests counted late) stays within the SLO. The figures come from the search's own measurements; what the
-simulation leaves out (the front door's cpu, other processes) is the same for every layout of one job.
+arrive densely enough for waiting to fill it. It finds the highest rate whose p99 (nearest rank) stays
+within the SLO. The figures come from the search's own measurements; the front door's cpu and other
+processes are left out for every layout alike (on a node the front door has cpus of its own).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import numpy as np
 from reamer.plan.layout import Layout
 from reamer.plan.partition import Candidate, ProfilePoint
 
-MAX_WAIT_SHARE_OF_SLO = 0.2  # reamer.serve.batcher: an idle instance waits at most this share of the SLO
+MAX_WAIT_SHARE_OF_SLO = 0.2  # an idle instance waits for a fuller batch at most this share of the SLO (batcher)
 NEAR_TIE = 0.10  # closed-loop throughputs this close are a tie within a search's noise (2 cpus, 0.25 s windows)
 UNKNOWN_FIXED_SHARE = 0.2  # a batch's fixed cost, as a share of a full batch's latency, where no point says
 
@@ -101,7 +101,7 @@ def sustained_rps(instances: Sequence[SimInstance], slo_ms: float, *, requests: 
     def meets(rate: float) -> bool:
         return simulate_p99_s(instances, rate, slo_s, requests=requests, seed=seed) <= slo_s
 
-    low, high = 0.0, capacity
+    high = capacity
     if meets(high):
         return high
     if not meets(capacity * precision):

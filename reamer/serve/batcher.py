@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from reamer.host.errors import ReamerError
+from reamer.plan.online_sim import MAX_WAIT_SHARE_OF_SLO
 from reamer.serve.stats import RequestStats
 from reamer.serve.worker import InferenceFailed, InstanceWorker, Replied, WorkerError
 
@@ -185,7 +186,7 @@ class DynamicBatcher:
         if self.slo_ms is None:
             window = min(est, self.default_max_wait_ms / 1000.0)
         else:
-            window = min(self.slo_ms * 0.2 / 1000.0, est)
+            window = min(self.slo_ms * MAX_WAIT_SHARE_OF_SLO / 1000.0, est)
         # No other request is expected within the window: waiting would only delay this one.
         if self._gap_ewma_s is None or self._gap_ewma_s > window:
             return 0.0

@@ -295,10 +295,9 @@ class _Runs:
         rps, p99 = measure_layout(self.model_path, self.backend, layout, self.cpus, warmup_s=s.warmup_s,
                                   window_s=s.window_s, windows=s.verify_windows, timeout_s=timeout_s,
                                   samples=self.samples, precision=self.precision)
-        batches = sorted({shape.batch for shape in layout.instances})
         label = format_layout(layout.on(self.backend if self.suffix else None))
         self.rows.append(MeasurementRow("layout", label, layout.total_cores, len(layout.instances),
-                                        "/".join(map(str, batches)), rps, p99, time.monotonic() - started,
+                                        _batches(layout), rps, p99, time.monotonic() - started,
                                         backend=self.backend))
         return rps, p99
 
@@ -535,10 +534,11 @@ def _run_finals(candidates: list[Candidate], target_ms: float | None, runs_of: C
                 finals: FinalsSettings, deadline: float | None, rows: list[MeasurementRow], tag: bool,
                 progress: ProgressFn | None) -> tuple[list[Candidate], int]:
     """The measured layouts meeting `target_ms` within `finals.margin` of the fastest (the first
-    `finals.finalists` of them in the order given), loaded together and run in turn for `finals.rounds` rounds, the order rotating:
-    their means replace their search figures, and those still meeting `target_ms` rank first. As many rounds
-    and finalists (two at least) as fit before `deadline`. Returns the candidates and how many of the first
-    are finalists meeting `target_ms` (0: no finals ran, `candidates` unchanged)."""
+    `finals.finalists` of them in the order given), loaded together and run in turn for `finals.rounds`
+    rounds, the order rotating: their means replace their search figures, and those still meeting
+    `target_ms` rank first. As many rounds and finalists (two at least) as fit before `deadline`. Returns
+    the candidates and how many of the first are finalists meeting `target_ms` (0: no finals ran,
+    `candidates` unchanged)."""
     from reamer.serve.profiler import ProfileError
 
     leading = [c for c in candidates if c.measured_rps is not None and _meets(c.p99_ms, target_ms)]
@@ -577,9 +577,8 @@ def _run_finals(candidates: list[Candidate], target_ms: float | None, runs_of: C
                 results[k].append((m.throughput_rps, m.p99_ms))
                 label = _label(c.layout, tag)
                 rows.append(MeasurementRow("final", label, c.layout.total_cores, len(c.layout.instances),
-                                           "/".join(str(b) for b in sorted({s.batch for s in c.layout.instances})),
-                                           m.throughput_rps, m.p99_ms, time.monotonic() - started,
-                                           backend=runs_of(c.layout).backend))
+                                           _batches(c.layout), m.throughput_rps, m.p99_ms,
+                                           time.monotonic() - started, backend=runs_of(c.layout).backend))
                 if progress is not None:
                     progress(len(rows), len(rows), f"final {label}")
     except ProfileError as exc:  # the search's own figures still stand
@@ -593,6 +592,11 @@ def _run_finals(candidates: list[Candidate], target_ms: float | None, runs_of: C
     kept = sorted((c for c in ran if _meets(c.p99_ms, target_ms)), key=lambda c: -c.rps)
     rest = [c for c in candidates if all(c is not f for f in finalists)]
     return kept + _rank([c for c in ran if c not in kept] + rest, target_ms), len(kept)
+
+
+def _batches(layout: Layout) -> str:
+    """The layout's batch sizes for a measurement row, e.g. "4/8"."""
+    return "/".join(map(str, sorted({shape.batch for shape in layout.instances})))
 
 
 def _tagged(layout: Layout, backend: str) -> Layout:
