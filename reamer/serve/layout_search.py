@@ -536,7 +536,7 @@ def _run_finals(candidates: list[Candidate], target_ms: float | None, runs_of: C
     """The measured layouts meeting `target_ms` within `finals.margin` of the fastest (the first
     `finals.finalists` of them in the order given), loaded together and run in turn for `finals.rounds`
     rounds, the order rotating: their means replace their search figures, and those still meeting
-    `target_ms` rank first. As many rounds and finalists (two at least) as fit before `deadline`. Returns
+    `target_ms` rank first. As many finalists (two at least), then rounds, as fit before `deadline`. Returns
     the candidates and how many of the first are finalists meeting `target_ms` (0: no finals ran,
     `candidates` unchanged)."""
     from reamer.serve.profiler import ProfileError
@@ -545,19 +545,17 @@ def _run_finals(candidates: list[Candidate], target_ms: float | None, runs_of: C
     fastest = max((c.rps for c in leading), default=0.0)
     finalists = [c for c in leading if c.rps >= fastest * (1.0 - finals.margin)][:finals.finalists]
     left = math.inf if deadline is None else deadline - time.monotonic()
-    rounds = finals.rounds
 
     def needed_s(group: list[Candidate], n_rounds: int) -> float:
         return sum(runs_of(c.layout).overhead_s() + runs_of(c.layout).settings.warmup_s
                    + n_rounds * runs_of(c.layout).finals_run_s(c.layout, finals) for c in group)
 
-    while len(finalists) >= 2 and needed_s(finalists, rounds) > left:
-        if rounds > 1:
-            rounds -= 1
-        else:
-            finalists = finalists[:-1]
-    if len(finalists) < 2:
+    # as many finalists as fit, then as many rounds of them
+    fitting = next(((n, r) for n in range(len(finalists), 1, -1) for r in range(finals.rounds, 0, -1)
+                    if needed_s(finalists[:n], r) <= left), None)
+    if fitting is None:
         return candidates, 0
+    finalists, rounds = finalists[:fitting[0]], fitting[1]
 
     def timeout_s() -> float:  # as the search's runs: one started in time may finish, a hung one may not hold us
         return 600.0 if deadline is None else max(1.0, deadline - time.monotonic() + 30.0)

@@ -126,10 +126,11 @@ def test_near_equal_leaders_are_run_off_in_finals_whose_means_decide(tiny):
         assert c.measured_p99_ms == pytest.approx(sum(r.p99_ms for r in mine) / 2)
     assert [c.rps for c in ranked[:3]] == sorted((c.rps for c in ranked[:3]), reverse=True)
     assert ranked[3] == searched[3]  # not a finalist: its search figures stand
-    # a deadline that leaves time for one round of two finalists only (each run's start-up costs 5 s here)
+    # a deadline that leaves time for one round of two finalists only (each one's start-up costs 5 s here)
     runs.overheads = [5.0]
     rows = []
-    soon = time.monotonic() + 2 * (5.0 + FAST.warmup_s + runs.finals_run_s(searched[0].layout, finals)) + 0.5
+    run_s = runs.finals_run_s(searched[0].layout, finals)
+    soon = time.monotonic() + 2 * (5.0 + FAST.warmup_s) + 3 * run_s  # 2 runs fit, 4 do not
     ranked, finalists = _run_finals(searched, None, lambda layout: runs, finals, soon, rows, False, None)
     assert [r.layout for r in rows] == ["1x1:b2", "1x1:b1"] and finalists == 2
     rows = []
