@@ -20,10 +20,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from reamer.plan.layout import Layout
-from reamer.plan.partition import Candidate, ProfilePoint
+from reamer.plan.partition import NEAR_TIE, Candidate, ProfilePoint, near_ties
 
 MAX_WAIT_SHARE_OF_SLO = 0.2  # an idle instance waits for a fuller batch at most this share of the SLO (batcher)
-NEAR_TIE = 0.10  # closed-loop throughputs this close are a tie within a search's noise (2 cpus, 0.25 s windows)
 UNKNOWN_FIXED_SHARE = 0.2  # a batch's fixed cost, as a share of a full batch's latency, where no point says
 
 
@@ -56,9 +55,9 @@ def simulate_p99_s(instances: Sequence[SimInstance], rate_rps: float, slo_s: flo
     arrivals = (np.cumsum(rng.exponential(1.0, size=requests)) / rate_rps).tolist()
     factors = [np.exp(inst.sigma * rng.standard_normal(requests) - inst.sigma ** 2 / 2).tolist()
                for inst in instances]
-    dense = [1.0 / rate_rps <= min(MAX_WAIT_SHARE_OF_SLO * slo_s, inst.latency_s[-1]) for inst in instances]
-    max_wait = [min(MAX_WAIT_SHARE_OF_SLO * slo_s, inst.latency_s[-1]) if inst.max_batch > 1 and dense[i] else 0.0
-                for i, inst in enumerate(instances)]
+    windows = [min(MAX_WAIT_SHARE_OF_SLO * slo_s, inst.latency_s[-1]) for inst in instances]
+    # an instance waits only when it batches and another request is expected within its window
+    max_wait = [w if inst.max_batch > 1 and 1.0 / rate_rps <= w else 0.0 for inst, w in zip(instances, windows)]
     runs = [0] * len(instances)
     done = [0.0] * requests
     head = 0  # the oldest request not yet taken (requests are taken in arrival order)
@@ -123,16 +122,16 @@ def layout_instances(layout: Layout, measured_rps: float, measured_p99_ms: float
     else to its cores); smaller batches scale by the alone points of its core count (linear between measured
     batches), else by a fixed share plus a per-sample part. The spread comes from the measured batch p99."""
     known = {(p.cores, p.batch): p for p in points if p.throughput_rps > 0}
-    alone = [known.get((s.cores, s.batch)) if s.threads == s.cores and s.streams == 1 else None
-             for s in layout.instances]
+    # the alone points are of one thread per core and one stream: they say nothing of other shapes
+    plain = [s.threads == s.cores and s.streams == 1 for s in layout.instances]
+    alone = [known.get((s.cores, s.batch)) if ok else None for s, ok in zip(layout.instances, plain)]
     weights = ([p.throughput_rps for p in alone] if all(alone)  # type: ignore[union-attr]
                else [float(s.cores) for s in layout.instances])
     total = sum(weights)
     out = []
-    for shape, weight in zip(layout.instances, weights):
+    for shape, weight, ok in zip(layout.instances, weights, plain):
         full_s = shape.batch / (measured_rps * weight / total)
-        shape_of = _batch_shape(shape.cores, shape.batch, known) if shape.threads == shape.cores and \
-            shape.streams == 1 else None
+        shape_of = _batch_shape(shape.cores, shape.batch, known) if ok else None
         latency = tuple(full_s * (shape_of(b) if shape_of else _fixed_plus_linear(b, shape.batch))
                         for b in range(1, shape.batch + 1))
         out.append(SimInstance(shape.batch, latency, _sigma(measured_p99_ms / 1000.0, full_s)))
@@ -172,12 +171,7 @@ def rank_by_sustained(candidates: Sequence[Candidate], slo_ms: float, batch_targ
     measured ones meeting it within `margin` of the fastest one's throughput (closed-loop figures that
     close are a tie within the search's noise) re-ranked by the rate each sustains under `slo_ms`,
     simulated, and carrying it. `points_of(layout)`: the alone points of the layout's backend."""
-    finalists = [c for c in candidates if c.measured_rps is not None and c.measured_p99_ms is not None
-                 and c.measured_p99_ms <= batch_target_ms]
-    if not finalists:
-        return list(candidates)
-    fastest = max(c.rps for c in finalists)
-    finalists = [c for c in finalists if c.rps >= fastest * (1.0 - margin)]
+    finalists = near_ties(candidates, batch_target_ms, margin)
     judged = [replace(c, sustained_rps=sustained_rps(
         layout_instances(c.layout, c.rps, c.p99_ms, points_of(c.layout)), slo_ms)) for c in finalists]
     judged.sort(key=lambda c: (-(c.sustained_rps or 0.0), -c.rps))

@@ -51,6 +51,20 @@ class Candidate:
         return self.measured_p99_ms if self.measured_p99_ms is not None else self.predicted_p99_ms
 
 
+# closed-loop throughputs this close are a tie within a search's noise (2 cpus, 0.25 s windows: up to 9 %)
+NEAR_TIE = 0.10
+
+
+def near_ties(candidates: Iterable[Candidate], batch_target_ms: float | None,
+              margin: float = NEAR_TIE) -> list[Candidate]:
+    """The measured candidates meeting `batch_target_ms` (None: any) within `margin` of the fastest of them,
+    in the order given."""
+    measured = [c for c in candidates if c.measured_rps is not None
+                and (batch_target_ms is None or c.p99_ms <= batch_target_ms)]
+    fastest = max((c.rps for c in measured), default=0.0)
+    return [c for c in measured if c.rps >= fastest * (1.0 - margin)]
+
+
 class NoFeasibleLayout(ReamerError):
     """No instance shape in the profile fits the cores and the latency SLO."""
 

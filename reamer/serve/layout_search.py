@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Callable, Literal, Sequence
 from reamer.host.errors import ReamerError
 from reamer.plan.admission import batch_latency_target_ms
 from reamer.plan.layout import InstanceShape, Layout, count_layouts, format_layout, parse_layout
-from reamer.plan.online_sim import NEAR_TIE, rank_by_sustained
-from reamer.plan.partition import Candidate, NoFeasibleLayout, ProfilePoint
+from reamer.plan.online_sim import rank_by_sustained
+from reamer.plan.partition import NEAR_TIE, Candidate, NoFeasibleLayout, ProfilePoint, near_ties
 from reamer.plan.search import (BackendScreen, SearchResult, count_backend_layouts, exhaustive_search,
                                 plan_from_profile, quick_search_backends)
 from reamer.serve.samples import SampleSpec
@@ -541,9 +541,7 @@ def _run_finals(candidates: list[Candidate], target_ms: float | None, runs_of: C
     `candidates` unchanged)."""
     from reamer.serve.profiler import ProfileError
 
-    leading = [c for c in candidates if c.measured_rps is not None and _meets(c.p99_ms, target_ms)]
-    fastest = max((c.rps for c in leading), default=0.0)
-    finalists = [c for c in leading if c.rps >= fastest * (1.0 - finals.margin)][:finals.finalists]
+    finalists = near_ties(candidates, target_ms, finals.margin)[:finals.finalists]
     left = math.inf if deadline is None else deadline - time.monotonic()
 
     def needed_s(group: list[Candidate], n_rounds: int) -> float:

@@ -231,7 +231,8 @@ def _doc(samples: "SampleSpec | None") -> dict | None:
     return None if samples is None or samples.is_default else samples.to_doc()
 
 
-def _run_workers(configs: list[WorkerConfig], timeout_s: float) -> list[WorkerResult]:
+def _started(configs: list[WorkerConfig], timeout_s: float) -> list[ProfileWorker]:
+    """A worker per config, each loaded and warm (all of them killed if one fails)."""
     workers: list[ProfileWorker] = []
     try:
         for cfg in configs:
@@ -239,6 +240,17 @@ def _run_workers(configs: list[WorkerConfig], timeout_s: float) -> list[WorkerRe
         deadline = time.monotonic() + timeout_s
         for w in workers:
             w.wait_ready(max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        for w in workers:
+            w.close()
+        raise
+    return workers
+
+
+def _run_workers(configs: list[WorkerConfig], timeout_s: float) -> list[WorkerResult]:
+    deadline = time.monotonic() + timeout_s
+    workers = _started(configs, timeout_s)
+    try:
         for w in workers:  # start together, after every model is loaded and warm
             w.go()
         return [w.result(max(1.0, deadline - time.monotonic())) for w in workers]
@@ -365,21 +377,12 @@ class LayoutSession:
     def __init__(self, model_path: str | os.PathLike, backend: str, layout: Any, cpus: Sequence[int], *,
                  warmup_s: float = 1.0, window_s: float = 0.5, windows: int = 4,
                  samples: "SampleSpec | None" = None, precision: str = "f32") -> None:
-        self.layout = layout
         self.configs = _layout_configs(model_path, backend, layout, cpus, warmup_s, window_s, windows, samples,
                                        precision)
         self.workers: list[ProfileWorker] = []
 
     def start(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        try:
-            for cfg in self.configs:
-                self.workers.append(ProfileWorker(cfg))
-            for w in self.workers:
-                w.wait_ready(max(1.0, deadline - time.monotonic()))
-        except BaseException:
-            self.close()
-            raise
+        self.workers = _started(self.configs, timeout_s)
 
     def run(self, rewarm_s: float = 0.0, timeout_s: float = 300.0) -> LayoutMeasurement:
         deadline = time.monotonic() + timeout_s
