@@ -157,6 +157,7 @@ class ProfileCacheChooser:
                     samples: "SampleSpec | None" = None, precision: str = "f32") -> LayoutChoice | None:
         from reamer.plan.admission import batch_latency_target_ms
         from reamer.plan.partition import NoFeasibleLayout
+        from reamer.plan.online_sim import with_sustained
         from reamer.plan.search import plan_from_profile
 
         backends = installed_backends() if backend == AUTO_BACKEND else [backend]
@@ -168,12 +169,14 @@ class ProfileCacheChooser:
             if not points or (self.search is not None and max(p.cores for p in points) < len(cpus)):
                 return None  # "auto" plans only when every backend is cached: else it would never measure one
             try:
-                plans.append((one, plan_from_profile(points, len(cpus), batch_latency_target_ms(slo_ms))))
+                plans.append((one, plan_from_profile(points, len(cpus), batch_latency_target_ms(slo_ms)), points))
             except NoFeasibleLayout as exc:
                 refusals.append(exc.message)
         if not plans:
             return LayoutChoice(None, accepted=False, achievable_rps=0.0, reason="; ".join(refusals))
-        one, candidate = max(plans, key=lambda item: item[1].rps)
+        one, candidate, points = max(plans, key=lambda item: item[1].rps)
+        if slo_ms is not None:
+            candidate = with_sustained(candidate, slo_ms, points)
         if backend == AUTO_BACKEND:
             candidate = replace(candidate, layout=candidate.layout.on(one))
         return self._admit(candidate, slo_ms, rate_rps, "planned from the cached profile")

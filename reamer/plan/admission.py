@@ -25,9 +25,11 @@ class AdmissionDecision:
 
 
 def admit(candidate: Candidate | None, rate_rps: float, slo_ms: float, margin: float = 0.10) -> AdmissionDecision:
-    """Accept iff the layout's throughput × (1 − margin) ≥ `rate_rps` and its batch p99 ≤ the batch latency
-    target of `slo_ms` (half of it). Measured figures are used when the candidate was verified, predicted ones
-    otherwise."""
+    """Accept iff the rate the layout carries ≥ `rate_rps` and its batch p99 ≤ the batch latency target of
+    `slo_ms` (half of it). The rate it carries is its closed-loop throughput less the margin, or, when the
+    candidate carries a lower one (`Candidate.sustained_rps`), the open-loop rate it sustains under the SLO,
+    simulated: the margin covers the queueing of short batches, the simulation that of long ones. Measured
+    figures are used when the candidate was verified, predicted ones otherwise."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"admission margin must be in [0, 1), got {margin}")
     if rate_rps < 0 or slo_ms <= 0:
@@ -38,7 +40,11 @@ def admit(candidate: Candidate | None, rate_rps: float, slo_ms: float, margin: f
             f"no layout on the free cores meets the {slo_ms:g} ms SLO; deploy the job on another node, "
             "relax the SLO, or free cores (detach a training job)",
         )
-    achievable = candidate.rps * (1.0 - margin)
+    with_margin = candidate.rps * (1.0 - margin)
+    by_sustained = candidate.sustained_rps is not None and candidate.sustained_rps < with_margin
+    achievable = candidate.sustained_rps if by_sustained else with_margin
+    basis = (f"the open-loop rate it sustains under the SLO, simulated from its {candidate.rps:.1f} rps closed "
+             f"loop" if by_sustained else f"{candidate.rps:.1f} rps less a {margin:.0%} margin")
     target = slo_ms * BATCH_SHARE_OF_SLO
     if candidate.p99_ms > target:
         return AdmissionDecision(
@@ -51,11 +57,11 @@ def admit(candidate: Candidate | None, rate_rps: float, slo_ms: float, margin: f
         return AdmissionDecision(
             False, achievable,
             f"layout {candidate.layout} can carry {achievable:.1f} rps within the {slo_ms:g} ms SLO "
-            f"({candidate.rps:.1f} rps less a {margin:.0%} margin), below the requested {rate_rps:g} rps; "
+            f"({basis}), below the requested {rate_rps:g} rps; "
             f"deploy the job on another node, lower the rate to ≤ {achievable:.1f} rps, or free cores",
         )
     return AdmissionDecision(
         True, achievable,
-        f"layout {candidate.layout} carries {achievable:.1f} rps (with a {margin:.0%} margin) ≥ {rate_rps:g} rps "
+        f"layout {candidate.layout} carries {achievable:.1f} rps ({basis}) ≥ {rate_rps:g} rps "
         f"at batch p99 {candidate.p99_ms:.1f} ms ≤ {target:g} ms (half the {slo_ms:g} ms SLO)",
     )

@@ -172,8 +172,14 @@ def rank_by_sustained(candidates: Sequence[Candidate], slo_ms: float, batch_targ
     close are a tie within the search's noise) re-ranked by the rate each sustains under `slo_ms`,
     simulated, and carrying it. `points_of(layout)`: the alone points of the layout's backend."""
     finalists = near_ties(candidates, batch_target_ms, margin)
-    judged = [replace(c, sustained_rps=sustained_rps(
-        layout_instances(c.layout, c.rps, c.p99_ms, points_of(c.layout)), slo_ms)) for c in finalists]
+    judged = [with_sustained(c, slo_ms, points_of(c.layout)) for c in finalists]
     judged.sort(key=lambda c: (-(c.sustained_rps or 0.0), -c.rps))
     chosen = {id(c) for c in finalists}
     return judged + [c for c in candidates if id(c) not in chosen]
+
+
+def with_sustained(candidate: Candidate, slo_ms: float, points: Sequence[ProfilePoint]) -> Candidate:
+    """`candidate` carrying the rate its layout sustains under `slo_ms`, simulated from its figures and the
+    alone `points` of its backend."""
+    instances = layout_instances(candidate.layout, candidate.rps, candidate.p99_ms, points)
+    return replace(candidate, sustained_rps=sustained_rps(instances, slo_ms))

@@ -58,3 +58,24 @@ def test_bad_arguments():
         admit(candidate(1, 1), 1, 10, margin=1.0)
     with pytest.raises(ValueError):
         admit(candidate(1, 1), 1, 0)
+
+
+def test_a_layout_of_long_batches_is_judged_by_the_rate_it_sustains_open_loop():
+    # batches of 8 take 400 ms (half a 1 s SLO, minus the spread): closed loop it carries 20 rps, but a request
+    # may wait for a running batch, then for its own, so open-loop arrivals see far less within the SLO
+    from reamer.plan.online_sim import with_sustained
+
+    slow = with_sustained(Candidate(parse_layout("1x2:b8"), 20.0, 450.0, 20.0, 450.0), 1000.0, [])
+    assert slow.sustained_rps is not None and slow.sustained_rps < 0.85 * 20.0
+    old_rule = admit(Candidate(parse_layout("1x2:b8"), 20.0, 450.0, 20.0, 450.0), 17.0, 1000.0)
+    assert old_rule.accepted  # the closed-loop throughput alone would take it
+    decision = admit(slow, 17.0, 1000.0)
+    assert not decision.accepted
+    assert decision.achievable_rps == pytest.approx(slow.sustained_rps)
+    assert f"can carry {slow.sustained_rps:.1f} rps" in decision.reason
+    assert "sustains under the SLO, simulated from its 20.0 rps closed loop" in decision.reason
+    # short batches: it sustains above its throughput less the margin, and that still decides
+    quick = with_sustained(Candidate(parse_layout("2x1:b1"), 20.0, 110.0, 20.0, 110.0), 1000.0, [])
+    assert quick.sustained_rps is not None and quick.sustained_rps > 0.9 * 20.0
+    decision = admit(quick, 17.0, 1000.0)
+    assert decision.accepted and decision.achievable_rps == pytest.approx(18.0) and "10% margin" in decision.reason
