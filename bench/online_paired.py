@@ -17,7 +17,9 @@ apart there. This bench resolves them. For each model and SLO:
 
 Every step is online_peers' step: the lean client, the same request, Poisson arrivals (seed: the round), the
 same pass rule (p99 within the SLO with a refusal counted as late, no failure, the queue kept up), lasting
-long enough for a queue growing at half a rung to fail it (`step_seconds` with the rung as precision).
+long enough for a queue growing at half a rung to fail it (`step_seconds` with the rung as precision). After
+every step one more request waits for its answer (`settle`): a server past its rate keeps working on the
+requests the client gave up on, and would take the cpus from the next step, whoever runs it.
 
     # ResNet-50, MobileNetV2 and BERT-base (~60 min on the 2-cpu machine), figures into bench/RESULTS.md:
     flock /work/coord/bench.lock .venv/bin/python bench/online_paired.py --results-md bench/RESULTS.md
@@ -42,7 +44,7 @@ for _p in (str(ROOT), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from online_peers import (PARENT, PEER_KINDS, SLOS_MS, HttpPeerServer, ReamerJob,  # noqa: E402
+from online_peers import (PARENT, PEER_KINDS, SLOS_MS, HttpPeerServer, ReamerJob, Settled,  # noqa: E402
                           Step, _feeds, _searches, reference_outputs, resolve_model, step_seconds)
 
 SECTION = "### Online, paired: reamer and the best HTTP peer taking turns at the same rates (issue 14)"
@@ -188,7 +190,7 @@ def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespa
             job = ReamerJob(model, layout, cpus, slo, work / f"job-{key}", inputs)
             try:
                 job.step(max(centre * 0.3, 0.5), args.warmup, 99, 10.0)  # warm-up, discarded
-                servers = {"reamer": job, **peers}
+                servers = {name: Settled(server) for name, server in {"reamer": job, **peers}.items()}
                 rates = ladder(centre, args.rung, args.below, args.above)
                 give_up = max(5.0, 5 * slo / 1e3)
 

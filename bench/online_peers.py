@@ -755,9 +755,56 @@ class ReamerJob:
 
 # --- one model ----------------------------------------------------------------------------------------------
 
+def _answer_status(port: int, request: bytes, timeout_s: float) -> int:
+    """One request on a fresh connection: the status of its answer, once all of it has come."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        sock.sendall(request)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise RuntimeError("the server closed the connection before answering")
+            head += chunk
+        top, _, body = head.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":", 1)[1]) for line in top.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(body) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+    return int(top.split(b" ", 2)[1])
+
+
+def settle(port: int, request: bytes, timeout_s: float = 300.0) -> float:
+    """Wait until the server answers one more request (again while it refuses it): a server still working
+    through the requests that a failed step's client gave up on is done with them then (both kinds of server
+    answer in arrival order). Without this, that backlog would take the cpus from the next step, the other
+    contender's too. Seconds waited."""
+    started = time.monotonic()
+    while _answer_status(port, request, timeout_s) != 200 and time.monotonic() - started < timeout_s:
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+class Settled:
+    """A server whose every step ends with `settle` when it is served over HTTP (an in-process peer has
+    finished every request it took when its step returns)."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+
+    def step(self, rate: float, duration: float, seed: int, give_up_s: float) -> Step:
+        step = self.server.step(rate, duration, seed, give_up_s)
+        if hasattr(self.server, "port"):
+            settle(self.server.port, self.server.request)
+        return step
+
+
 def _searches(server, capacity: float, args: argparse.Namespace, slos: Sequence[float],
               log: Callable[[str], None]) -> dict[str, Any]:
-    """Warm-up, then the rate search for each SLO on one server (later SLOs start from the earlier steps)."""
+    """Warm-up, then the rate search for each SLO on one server (later SLOs start from the earlier steps), each
+    step settled (`settle`)."""
     def probe_for(slo_ms: float) -> Callable[[float], Step]:
         def probe(rate: float) -> Step:
             duration = step_seconds(rate, slo_ms, step_s=args.step, min_requests=args.min_requests,
@@ -769,6 +816,7 @@ def _searches(server, capacity: float, args: argparse.Namespace, slos: Sequence[
             return step
         return probe
 
+    server = Settled(server)
     server.step(min(max(capacity * 0.3, 0.5), args.max_rate * 0.3), args.warmup, args.seed + 1, 10.0)  # discarded
     out, known = {}, []
     for i, slo in enumerate(slos):
