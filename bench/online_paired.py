@@ -10,10 +10,12 @@ apart there. This bench resolves them. For each model and SLO:
 2. reamer's search picks its layout for the SLO, served as a real online job (online_peers' ReamerJob);
 3. a ladder of rates in `--rung` steps around the best peer's coarse answer (`--below` rungs under it,
    `--above` over it); in each of `--rounds` rounds every contender climbs it, one step at a time, the
-   contenders taking turns at each rung (the order rotating), each stopping at its first failed step;
-4. a contender's rate in a round is the highest rung it passed before it failed (0 when it failed the first;
-   the top rung when it never failed: a lower bound, marked "≥"); its figure is the median over the rounds;
-   the ratio is reamer's median over the best peer's.
+   contenders taking turns at each rung (the order rotating), each stopping at its first failed step (one
+   still passing at the top climbs up to `--extra` rungs more; one failing the first rung steps down as many);
+4. a contender's rate in a round is the highest rung it passed before it failed (when it failed the first, the
+   first rung it passed under the ladder; when it never failed, the top: a lower bound, marked "≥"); its figure
+   is the median over the rounds; the ratio is reamer's median over the best peer's, beside each round's
+   ratio (the two climbed in the same minutes) and their median.
 
 Every step is online_peers' step: the lean client, the same request, Poisson arrivals (seed: the round), the
 same pass rule (p99 within the SLO with a refusal counted as late, no failure, the queue kept up), lasting
@@ -70,19 +72,28 @@ class Climb:
     """One contender's climb of the ladder in one round."""
 
     steps: list[Step] = field(default_factory=list)
+    below: list[Step] = field(default_factory=list)  # the first rung failed: rungs under the ladder, downwards
 
     def rate_rps(self, slo_ms: float) -> float:
-        """The highest rung passed before the first failure (0.0: the first rung failed)."""
+        """The highest rung passed before the first failure; when the first rung failed, the first rung passed
+        under the ladder (0.0: none)."""
         passed = 0.0
         for step in self.steps:
             if not step.meets(slo_ms):
                 break
             passed = step.rate_rps
+        if not passed:
+            passed = next((s.rate_rps for s in self.below if s.meets(slo_ms)), 0.0)
         return passed
 
-    def topped(self, slo_ms: float, rates: Sequence[float]) -> bool:
-        """It passed every rung: its rate is a lower bound."""
-        return len(self.steps) == len(rates) and all(s.meets(slo_ms) for s in self.steps)
+    def descending(self, slo_ms: float) -> bool:
+        """It failed the first rung and has not passed one under the ladder yet."""
+        return (bool(self.steps) and not self.steps[0].meets(slo_ms)
+                and not any(s.meets(slo_ms) for s in self.below))
+
+    def topped(self, slo_ms: float) -> bool:
+        """It never failed (the ladder, and any rungs added over it, ran out): its rate is a lower bound."""
+        return bool(self.steps) and all(s.meets(slo_ms) for s in self.steps)
 
     def done(self, slo_ms: float) -> bool:
         return bool(self.steps) and not self.steps[-1].meets(slo_ms)
@@ -97,44 +108,60 @@ class Reading:
     lower_bound: bool  # the median round passed the top rung: the true rate may be higher
 
 
-def read_climbs(climbs: Sequence[Climb], slo_ms: float, rates: Sequence[float]) -> Reading:
+def read_climbs(climbs: Sequence[Climb], slo_ms: float) -> Reading:
     per_round = [c.rate_rps(slo_ms) for c in climbs]
     median = statistics.median_low(per_round) if per_round else 0.0
-    topped = [c.rate_rps(slo_ms) for c in climbs if c.topped(slo_ms, rates)]
+    topped = [c.rate_rps(slo_ms) for c in climbs if c.topped(slo_ms)]
     return Reading(tuple(per_round), median, median in topped)
 
 
 def paired_ratio(readings: dict[str, Reading], mine: str = "reamer") -> dict[str, Any]:
-    """reamer's median over the best peer's; "≥"/"≤" where the ladder bounded one of them."""
+    """reamer's median over the best peer's ("≥"/"≤" where the ladder bounded one of them), and the ratio in
+    each round (the two climbed side by side: the same minutes of the machine) with its median."""
     peers = {name: r for name, r in readings.items() if name != mine}
     if mine not in readings or not peers:
-        return {"best_peer": None, "ratio": None, "bound": ""}
+        return {"best_peer": None, "ratio": None, "bound": "", "per_round": [], "median_per_round": None}
     best = max(peers, key=lambda name: peers[name].median_rps)
     ours, theirs = readings[mine], peers[best]
+    per_round = [a / b for a, b in zip(ours.rates_rps, theirs.rates_rps) if b > 0]
+    doc = {"best_peer": best, "ratio": None, "bound": "", "per_round": per_round,
+           "median_per_round": statistics.median(per_round) if per_round else None}
     if theirs.median_rps <= 0:
-        return {"best_peer": best, "ratio": None, "bound": ""}
+        return doc
     bound = "≥" if ours.lower_bound and not theirs.lower_bound else "≤" if theirs.lower_bound and not \
         ours.lower_bound else "=" if ours.lower_bound else ""
-    return {"best_peer": best, "ratio": ours.median_rps / theirs.median_rps, "bound": bound}
+    return {**doc, "ratio": ours.median_rps / theirs.median_rps, "bound": bound}
 
 
 def climb_ladder(drive: Callable[[str, float, int], Step], contenders: Sequence[str], rates: Sequence[float],
-                 rounds: int, slo_ms: float, log: Callable[[str], None]) -> dict[str, list[Climb]]:
+                 rounds: int, slo_ms: float, log: Callable[[str], None], extra: int = 0) -> dict[str, list[Climb]]:
     """Every contender climbs the ladder `rounds` times, taking turns at each rung, each stopping at its first
-    failed step; `drive(contender, rate, seed)` runs one step."""
+    failed step; one still climbing at the top goes on up to `extra` rungs more, and one that failed the first
+    rung steps down up to `extra` rungs under the ladder until it passes one (the ladder's own ratio: a machine
+    slower than when the ladder was placed still gives figures). `drive(contender, rate, seed)` runs one step."""
     climbs: dict[str, list[Climb]] = {c: [] for c in contenders}
+    ratio = rates[-1] / rates[-2] if len(rates) > 1 else 1.04
+    rungs = [*rates, *(rates[-1] * ratio ** (k + 1) for k in range(extra))]
+    under = [rates[0] / ratio ** (k + 1) for k in range(extra)]
+
+    def run(c: str, rate: float, r: int, into: list[Step]) -> None:
+        step = drive(c, rate, r)
+        into.append(step)
+        log(f"    round {r + 1}  {rate:9.2f}/s  {c:34} p99 {step.p99_judged_ms():9.1f} ms  ok "
+            f"{step.ok}/{step.sent}  {'meets' if step.meets(slo_ms) else step.why_not(slo_ms)}")
+
     for r in range(rounds):
         now = {c: Climb() for c in contenders}
-        for i, rate in enumerate(rates):
+        for i, rate in enumerate(rungs):
             for c in turns(contenders, r, i):
-                if now[c].done(slo_ms):
-                    continue
-                step = drive(c, rate, r)
-                now[c].steps.append(step)
-                log(f"    round {r + 1}  {rate:9.2f}/s  {c:34} p99 {step.p99_judged_ms():9.1f} ms  ok "
-                    f"{step.ok}/{step.sent}  {'meets' if step.meets(slo_ms) else step.why_not(slo_ms)}")
+                if not now[c].done(slo_ms):
+                    run(c, rate, r, now[c].steps)
             if all(now[c].done(slo_ms) for c in contenders):
                 break
+        for i, rate in enumerate(under):
+            for c in turns(contenders, r, i):
+                if now[c].descending(slo_ms):
+                    run(c, rate, r, now[c].below)
         for c in contenders:
             climbs[c].append(now[c])
     return climbs
@@ -199,10 +226,10 @@ def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespa
                                             precision=args.rung, max_step_s=args.max_step)
                     return servers[contender].step(rate, duration, args.seed + seed, give_up)
 
-                climbs = climb_ladder(drive, list(servers), rates, args.rounds, slo, log)
+                climbs = climb_ladder(drive, list(servers), rates, args.rounds, slo, log, args.extra)
             finally:
                 job.close()
-            readings = {c: read_climbs(cl, slo, rates) for c, cl in climbs.items()}
+            readings = {c: read_climbs(cl, slo) for c, cl in climbs.items()}
             row["slos"][key] = {"rates_rps": rates, "readings": {c: asdict(r) for c, r in readings.items()},
                                 "ratio": paired_ratio(readings),
                                 "climbs": {c: [[asdict(s) for s in cl.steps] for cl in cls]
@@ -225,11 +252,13 @@ def render(data: dict) -> str:
     lines = [f"{data['machine']}; cpus {','.join(map(str, data['cpus']))}; {data['started']}–{data.get('ended', '?')} "
              f"UTC; load {data['load_start']} → {data.get('load_end', '?')}; `{data['command']}`.", "",
              f"Ladder: rungs {data['rung'] * 100:g} % apart, {data['below']} under and {data['above']} over the best "
-             f"HTTP peer's coarse rate; {data['rounds']} rounds; the contenders take turns at every rung, the order "
-             "rotating. A figure is the median of the rounds' highest rung passed before the first failure (each "
-             "round's in brackets; ≥: the top rung, a lower bound).", "",
-             "| model | SLO | reamer's layout | reamer, requests/s | best HTTP peer | its requests/s | reamer / peer |",
-             "|---|---|---|---|---|---|---|"]
+             f"HTTP peer's coarse rate{_extra(data.get('extra', 0))}; {data['rounds']} rounds; the contenders take "
+             "turns at every rung, the order rotating. A figure is the median of the rounds' highest rung passed "
+             "before the first failure (each round's in brackets; ≥: never failed, a lower bound); reamer / peer is "
+             "the ratio of the medians, then each round's ratio and their median.", "",
+             "| model | SLO | reamer's layout | reamer, requests/s | best HTTP peer | its requests/s | reamer / peer "
+             "| per round (median) |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in data["rows"]:
         if "error" in row:
             lines.append(f"| {row['model']} | | error: {row['error']} | | | | |")
@@ -242,9 +271,18 @@ def render(data: dict) -> str:
             peer = ratio["best_peer"]
             value = "—" if ratio["ratio"] is None else f"{ratio['bound'] if ratio['bound'] != '=' else ''}" \
                                                       f"{ratio['ratio']:.2f}×"
+            per_round = [a / b for a, b in zip(readings["reamer"]["rates_rps"], readings[peer]["rates_rps"]) if b > 0]
+            rounds = "/".join(f"{r:.2f}" for r in per_round)
+            median = f" ({statistics.median(per_round):.2f}×)" if per_round else ""
             lines.append(f"| {row['model']} | {key} ms | `{row['info'][f'reamer {key}']['layout']}` | "
-                         f"{_figure(readings['reamer'])} | {peer} | {_figure(readings[peer])} | {value} |")
+                         f"{_figure(readings['reamer'])} | {peer} | {_figure(readings[peer])} | {value} | "
+                         f"{rounds}{median} |")
     return "\n".join(lines)
+
+
+def _extra(rungs: int) -> str:
+    return f", up to {rungs} more over the top for a contender still passing there" if rungs else \
+        ", no rung over the top"
 
 
 def write_section(path: str, text: str) -> None:
@@ -264,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rung", type=float, default=0.04, help="ladder step (default 0.04 = 4 %%)")
     p.add_argument("--below", type=int, default=3, help="rungs under the best peer's coarse rate (default 3)")
     p.add_argument("--above", type=int, default=3, help="rungs over it (default 3)")
+    p.add_argument("--extra", type=int, default=3, help="rungs a contender still passing at the top may go on "
+                                                         "climbing (default 3)")
     p.add_argument("--rounds", type=int, default=3, help="climbs of the ladder (default 3)")
     p.add_argument("--step", type=float, default=4.0, help="least seconds of arrivals per step (default 4)")
     p.add_argument("--min-requests", type=int, default=200, help="least arrivals per step (default 200)")
@@ -280,10 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short steps, two rounds, 3 rungs, a 20 s search budget")
     p.add_argument("--out", default=str(BENCH / "results" / "online_paired"))
     p.add_argument("--results-md", default=None, help="write the section into this RESULTS.md (full runs only)")
-    p.add_argument("--render", default=None, metavar="JSON", help="write the section from an online_paired.json")
+    p.add_argument("--render", default=None, nargs="+", metavar="JSON",
+                   help="write the section from online_paired.json files (one table each, in this order)")
     args = p.parse_args(argv)
     if args.render:
-        text = render(json.loads(Path(args.render).read_text()))
+        text = "\n\n".join(render(json.loads(Path(path).read_text())) for path in args.render)
         print(text)
         if args.results_md:
             write_section(args.results_md, text)
@@ -304,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
     command = "python bench/online_paired.py " + " ".join(sys.argv[1:] if argv is None else argv)
     data: dict[str, Any] = {"command": command, "machine": machine_info(), "cpus": cpus, "rung": args.rung,
-                            "below": args.below, "above": args.above, "rounds": args.rounds, "seed": args.seed,
+                            "below": args.below, "above": args.above, "extra": args.extra,
+                            "rounds": args.rounds, "seed": args.seed,
                             "load_start": loadavg(), "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                             "rows": []}
     out = Path(args.out)

@@ -192,7 +192,7 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
         if header_length < 0 or header_length > len(body):
             raise BadRequest(f"{HEADER_LENGTH} is {header_length} but the body has {len(body)} bytes",
                              "set the header to the byte length of the JSON part")
-        head, blob = body[:header_length], memoryview(body)[header_length:]
+        head, blob = bytes(memoryview(body)[:header_length]), memoryview(body)[header_length:]
     else:
         head, blob = body, memoryview(b"")
     if plans is not None and (header_length is not None or len(head) <= LARGE_JSON_BYTES):
@@ -581,7 +581,7 @@ class _Incoming:
     method: str
     path: str
     headers: dict[str, str]
-    body: bytes
+    body: bytes | bytearray  # a bytearray when read straight into its buffer
     keep_alive: bool
     refused: Reply | None = None  # answered without running the app (bad request, too large)
     held: int = 0  # body bytes counted against the connection's and the door's budgets
@@ -589,14 +589,23 @@ class _Incoming:
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _IDLE, _HEAD, _BODY = 0, 1, 2  # where the parser is in the next message
+READ_BYTES = 1 << 16  # what one read takes while parsing (headers, small bodies, the start of a large one)
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(asyncio.BufferedProtocol):
     """One HTTP/1.1 client connection: parse with httptools, answer requests in arrival order.
 
     Bounded for hostile clients: headers, bodies and idle keep-alive time are timed (FrontDoor's sweep
     checks the deadlines), URL and header sizes are capped, reading pauses while queued requests hold too
-    many requests or bytes, and the next request waits while the client has not taken its answers."""
+    many requests or bytes, and the next request waits while the client has not taken its answers.
+
+    A large body (more than READ_BYTES still to come after the read that ended its headers, a
+    Content-Length and no Transfer-Encoding) is read by the kernel straight into one buffer of its size
+    (`_direct`) instead of going through the parser's chunks and a join: three user-space copies of every
+    image less. The buffer's unreceived part is reserved against the job's buffered-bytes budget when it is
+    allocated, so such reservations may hold at most half that budget: past it, bodies stream through the
+    parser and count as they arrive, and headers alone cannot take the budget from clients that send.
+    The body's stall clock still runs, so a reservation whose bytes do not come is cut off."""
 
     def __init__(self, door: "FrontDoor") -> None:
         self.door = door
@@ -619,6 +628,9 @@ class _Connection(asyncio.Protocol):
         self._unsent, self._unsent_since = 0, now  # write buffer size at the last sweep, and since when stuck
         self._partial = 0  # bytes of the body being received
         self._lingering_since: float | None = None  # refused: input is dropped until the client closes
+        self._scratch = bytearray(READ_BYTES)
+        self._direct: bytearray | None = None  # a large body being read straight into its buffer
+        self._filled = 0  # bytes of it received
         self._new_message()
 
     def _new_message(self) -> None:
@@ -630,6 +642,7 @@ class _Connection(asyncio.Protocol):
         self._size = 0
         self._partial = 0
         self._too_large = False
+        self._direct = None
 
     def _release(self, nbytes: int) -> None:
         self.held -= nbytes
@@ -686,15 +699,53 @@ class _Connection(asyncio.Protocol):
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview | bytearray:
+        if self._direct is not None:
+            return memoryview(self._direct)[self._filled:]  # exactly what is left: a pipelined request waits
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._direct is not None:
+            self._filled += nbytes
+            self._since = time.monotonic()
+            if self._filled == len(self._direct):
+                body, self._direct = self._direct, None
+                keep_alive, method = self.parser.should_keep_alive(), self.parser.get_method()
+                self.parser = httptools.HttpRequestParser(self)  # the old one still waits for this body
+                self._complete(method, body, keep_alive)
+            return
         if self._broken:
             return
         try:
-            self.parser.feed_data(data)
+            self.parser.feed_data(memoryview(self._scratch)[:nbytes])
         except httptools.HttpParserUpgrade:
             self._refuse(_error(400, "protocol upgrades are not supported", connection="close"))
+            return
         except httptools.HttpParserError as exc:
             self._refuse(_error(400, f"malformed HTTP request ({exc})", connection="close"))
+            return
+        if self._state == _BODY and not self._broken and not self._too_large:
+            self._read_direct()
+
+    def _read_direct(self) -> None:
+        """Read the rest of a large body straight into a buffer of its size, if the budget allows."""
+        length = self._headers.get("content-length", "")
+        if not length.isdigit() or "transfer-encoding" in self._headers:
+            return
+        total = int(length)
+        left = total - self._size
+        if left <= READ_BYTES or self.door.buffered + left > self.limits.buffered_budget // 2:
+            return
+        body = bytearray(total)
+        at = 0
+        for chunk in self._body:
+            body[at:at + len(chunk)] = chunk
+            at += len(chunk)
+        self._body, self._direct, self._filled = [], body, at
+        self._partial += left
+        self.held += left
+        self.door.buffered += left
+        self._update_reading()
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
@@ -764,8 +815,10 @@ class _Connection(asyncio.Protocol):
         if self._broken:
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        incoming = _Incoming(self.parser.get_method().decode("latin-1"), self._url.decode("latin-1"),
-                             self._headers, body, self.parser.should_keep_alive(),
+        self._complete(self.parser.get_method(), body, self.parser.should_keep_alive())
+
+    def _complete(self, method: bytes, body: bytes | bytearray, keep_alive: bool) -> None:
+        incoming = _Incoming(method.decode("latin-1"), self._url.decode("latin-1"), self._headers, body, keep_alive,
                              self._too_large_reply() if self._too_large else None, held=self._partial)
         self._partial = 0  # now held by the queued request
         self._new_message()

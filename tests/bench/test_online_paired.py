@@ -41,9 +41,9 @@ def test_the_first_turn_rotates_with_every_rung_and_round():
 def test_a_round_reads_the_highest_rung_passed_before_the_first_failure():
     rates = [10.0, 11.0, 12.0, 13.0]
     climb = Climb([_step(10, True), _step(11, True), _step(12, False)])
-    assert climb.rate_rps(SLO_MS) == 11.0 and climb.done(SLO_MS) and not climb.topped(SLO_MS, rates)
+    assert climb.rate_rps(SLO_MS) == 11.0 and climb.done(SLO_MS) and not climb.topped(SLO_MS)
     assert Climb([_step(10, False)]).rate_rps(SLO_MS) == 0.0
-    assert Climb([_step(r, True) for r in rates]).topped(SLO_MS, rates)
+    assert Climb([_step(r, True) for r in rates]).topped(SLO_MS)
 
 
 def test_contenders_take_turns_and_each_stops_at_its_own_failure():
@@ -65,11 +65,48 @@ def test_contenders_take_turns_and_each_stops_at_its_own_failure():
     assert calls[0][:2] == ("reamer", round(rates[0], 3)) and calls[1][0] == "peer"
     assert calls[2][0] == "peer" and calls[3][0] == "reamer"
     assert {seed for _, _, seed in calls} == {0, 1, 2}
-    readings = {name: read_climbs(cl, SLO_MS, rates) for name, cl in climbs.items()}
+    readings = {name: read_climbs(cl, SLO_MS) for name, cl in climbs.items()}
     ratio = paired_ratio(readings)
     assert ratio["best_peer"] == "peer" and ratio["bound"] == ""
+    assert ratio["per_round"] == pytest.approx([readings["reamer"].median_rps / readings["peer"].median_rps] * 3)
+    assert ratio["median_per_round"] == pytest.approx(ratio["ratio"])
     assert ratio["ratio"] == pytest.approx(readings["reamer"].median_rps / readings["peer"].median_rps)
     assert ratio["ratio"] < 1
+
+
+def test_a_contender_still_passing_at_the_top_climbs_the_extra_rungs_alone():
+    capacity = {"reamer": 14.0, "peer": 11.2}
+    rates = ladder(11.0, 0.04, 1, 1)  # 10.58, 11.0, 11.44
+
+    def drive(contender, rate, seed):
+        return _step(rate, rate <= capacity[contender])
+
+    climbs = climb_ladder(drive, ["reamer", "peer"], rates, 2, SLO_MS, lambda _: None, extra=3)
+    reamer = read_climbs(climbs["reamer"], SLO_MS)
+    assert reamer.median_rps == pytest.approx(11.0 * 1.04 ** 4) and reamer.lower_bound  # passed all 3 extra
+    assert all(len(c.steps) == 6 for c in climbs["reamer"])
+    assert all(len(c.steps) == 3 and c.done(SLO_MS) for c in climbs["peer"])
+    assert paired_ratio({"reamer": reamer, "peer": read_climbs(climbs["peer"], SLO_MS)})["bound"] == "≥"
+
+
+def test_a_contender_failing_the_first_rung_steps_down_until_it_passes():
+    capacity = {"reamer": 9.5, "peer": 10.2}
+    rates = ladder(11.0, 0.04, 1, 1)  # 10.58, 11.0, 11.44: both fail the first rung
+    calls = []
+
+    def drive(contender, rate, seed):
+        calls.append((contender, rate))
+        return _step(rate, rate <= capacity[contender])
+
+    climbs = climb_ladder(drive, ["reamer", "peer"], rates, 1, SLO_MS, lambda _: None, extra=3)
+    under = [10.58 / 1.04 ** k for k in (1, 2, 3)]  # 10.17, 9.78, 9.40
+    assert climbs["peer"][0].rate_rps(SLO_MS) == pytest.approx(under[0], rel=1e-3)
+    assert climbs["reamer"][0].rate_rps(SLO_MS) == pytest.approx(under[2], rel=1e-3)
+    assert [round(r, 2) for c, r in calls if c == "peer"] == [10.58, 10.17]  # it stops at its first pass
+    assert len([c for c, _ in calls if c == "reamer"]) == 4
+    nothing = climb_ladder(lambda c, rate, seed: _step(rate, False), ["reamer"], rates, 1, SLO_MS,
+                           lambda _: None, extra=2)
+    assert nothing["reamer"][0].rate_rps(SLO_MS) == 0.0 and len(nothing["reamer"][0].below) == 2
 
 
 def test_the_median_round_decides_and_one_disturbed_round_does_not():
@@ -77,14 +114,14 @@ def test_the_median_round_decides_and_one_disturbed_round_does_not():
     rounds = [Climb([_step(10, True), _step(11, True), _step(12, False)]),
               Climb([_step(10, False)]),  # disturbed
               Climb([_step(10, True), _step(11, True), _step(12, False)])]
-    reading = read_climbs(rounds, SLO_MS, rates)
+    reading = read_climbs(rounds, SLO_MS)
     assert reading.rates_rps == (11.0, 0.0, 11.0) and reading.median_rps == 11.0 and not reading.lower_bound
 
 
 def test_a_contender_topping_the_ladder_reads_as_a_lower_bound():
     rates = [10.0, 11.0]
-    top = read_climbs([Climb([_step(10, True), _step(11, True)])] * 3, SLO_MS, rates)
-    short = read_climbs([Climb([_step(10, True), _step(11, False)])] * 3, SLO_MS, rates)
+    top = read_climbs([Climb([_step(10, True), _step(11, True)])] * 3, SLO_MS)
+    short = read_climbs([Climb([_step(10, True), _step(11, False)])] * 3, SLO_MS)
     assert top.lower_bound and top.median_rps == 11.0
     assert paired_ratio({"reamer": top, "peer": short})["bound"] == "≥"
     assert paired_ratio({"reamer": short, "peer": top})["bound"] == "≤"
@@ -94,9 +131,8 @@ def test_a_contender_topping_the_ladder_reads_as_a_lower_bound():
 
 def test_the_section_renders_each_round_and_is_replaced_in_place(tmp_path):
     rates = [10.0, 11.0, 12.0]
-    readings = {"reamer": read_climbs([Climb([_step(10, True), _step(11, True), _step(12, False)])] * 3, SLO_MS,
-                                      rates),
-                "peer": read_climbs([Climb([_step(10, True), _step(11, False)])] * 3, SLO_MS, rates)}
+    readings = {"reamer": read_climbs([Climb([_step(10, True), _step(11, True), _step(12, False)])] * 3, SLO_MS),
+                "peer": read_climbs([Climb([_step(10, True), _step(11, False)])] * 3, SLO_MS)}
     from dataclasses import asdict
 
     data = {"machine": "m", "cpus": [0, 1], "started": "s", "ended": "e", "load_start": [0], "load_end": [0],
@@ -108,7 +144,7 @@ def test_the_section_renders_each_round_and_is_replaced_in_place(tmp_path):
                      {"model": "bert-base", "error": "boom"}]}
     text = render(data)
     assert "| resnet50 | 1000 ms | `2x1:b1@openvino` | 11.0 (11.0/11.0/11.0) | peer | 10.0 (10.0/10.0/10.0) | " \
-           "1.10× |" in text
+           "1.10× | 1.10/1.10/1.10 (1.10×) |" in text
     assert "no peer sustains" in text and "error: boom" in text
     md = tmp_path / "RESULTS.md"
     md.write_text("# r\n\n## Against each runtime's own tuning (issue 14)\n\nintro\n")

@@ -536,3 +536,120 @@ def test_a_large_json_body_is_decoded_and_encoded_on_a_helper_thread(served, ref
             n.startswith("json") for n in threads_before)
     finally:
         app.limits = limits
+
+
+class _RecordingApp:
+    """Answers every request with 200 and keeps what it was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    async def handle(self, method, path, headers, body, client=None):
+        from reamer.serve.frontdoor import Reply
+
+        self.seen.append((method, path, bytes(body)))
+        return Reply(200, b"{}")
+
+
+class _Transport:
+    def __init__(self):
+        self.written, self.paused = b"", False
+
+    def write(self, data):
+        self.written += data
+
+    def writelines(self, parts):
+        self.written += b"".join(parts)
+
+    def pause_reading(self):
+        self.paused = True
+
+    def resume_reading(self):
+        self.paused = False
+
+    def get_write_buffer_size(self):
+        return 0
+
+    def can_write_eof(self):
+        return False
+
+    def close(self):
+        pass
+
+
+def _door_with(app, **limits):
+    from reamer.serve.frontdoor import DoorLimits, _DoorLog
+
+    door = FrontDoor.__new__(FrontDoor)
+    door.app, door.limits = app, DoorLimits(**limits)
+    door.max_request_bytes, door.buffered, door.connections = door.limits.max_request_bytes, 0, set()
+    door.log, door.stopping = _DoorLog(), False
+    return door
+
+
+def _receive(conn, data: bytes) -> None:
+    """What the event loop does with `data` arriving: into the protocol's buffers, as much as each takes."""
+    while data:
+        buf = conn.get_buffer(len(data))
+        n = min(len(buf), len(data))
+        buf[:n] = data[:n]
+        conn.buffer_updated(n)
+        data = data[n:]
+
+
+def test_a_large_body_is_read_straight_into_one_buffer_reserved_against_the_budget():
+    from reamer.serve.frontdoor import READ_BYTES, _Connection
+
+    async def main():
+        app = _RecordingApp()
+        door = _door_with(app, max_buffered_bytes=8 << 20, max_request_bytes=4 << 20)
+        conn = _Connection(door)
+        conn.transport = _Transport()
+        body = os.urandom(3 * READ_BYTES + 123)
+        _receive(conn, b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+                 + body[:1000])
+        # more than a read is left: the rest goes straight into a buffer of the body's size, reserved at once
+        assert conn._direct is not None and len(conn._direct) == len(body)
+        assert door.buffered == len(body)
+        assert len(conn.get_buffer(-1)) == len(body) - 1000  # a read never takes bytes past the body
+        _receive(conn, body[1000:] + b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert [(m, len(b)) for m, _, b in app.seen] == [("POST", len(body)), ("GET", 0)]
+        assert app.seen[0][2] == body  # byte for byte, and the parser after it read the next request
+        assert conn.transport.written.count(b"HTTP/1.1 200") == 2
+        assert door.buffered == 0 and conn.held == 0
+
+        # a small body, or one that would take reservations past half the budget, streams as before
+        small = _Connection(door)
+        small.transport = _Transport()
+        _receive(small, b"POST /x HTTP/1.1\r\nContent-Length: 2000\r\n\r\n" + b"a" * 100)
+        assert small._direct is None
+        door.buffered = 4 << 20  # half of max_buffered_bytes already held
+        held = _Connection(door)
+        held.transport = _Transport()
+        _receive(held, b"POST /x HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10])
+        assert held._direct is None and door.buffered == (4 << 20) + 10
+
+    asyncio.run(main())
+
+
+def test_a_refused_connection_releases_its_reserved_body():
+    from reamer.serve.frontdoor import READ_BYTES, _Connection
+
+    async def main():
+        door = _door_with(_RecordingApp(), max_buffered_bytes=8 << 20, max_request_bytes=4 << 20,
+                          body_timeout_s=1.0)
+        conn = _Connection(door)
+        conn.transport = _Transport()
+        _receive(conn, b"POST /x HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (4 * READ_BYTES) + b"z" * 50)
+        assert conn._direct is not None and door.buffered == 4 * READ_BYTES
+        conn.expired(conn._since + 5.0)  # the body stalled past body_timeout_s: 408
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert b"HTTP/1.1 408" in conn.transport.written and b"body_timeout_s" in conn.transport.written
+        assert door.buffered == 0 and conn._direct is None
+        _receive(conn, b"z" * 100)  # what still comes is dropped, into the small read buffer
+        assert door.buffered == 0
+
+    asyncio.run(main())

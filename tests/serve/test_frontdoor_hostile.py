@@ -417,6 +417,74 @@ def test_a_large_json_request_is_decoded_off_the_loop_and_the_job_stays_live(job
     client.close()
 
 
+def _binary_request(feeds: dict, extra: str = "") -> tuple[bytes, bytes]:
+    """(head of the HTTP request, its body): binary tensors in, JSON outputs back."""
+    head = json.dumps({"inputs": [{"name": n, "shape": list(a.shape), "datatype": "FP32" if n == "x" else "INT64",
+                                   "parameters": {"binary_data_size": a.nbytes}} for n, a in feeds.items()],
+                       "outputs": [{"name": "scores"}, {"name": "id_sum"}]}).encode()
+    body = head + feeds["x"].tobytes() + feeds["ids"].tobytes()
+    return (f"POST /v2/models/mio/infer HTTP/1.1\r\nHost: x\r\nInference-Header-Content-Length: {len(head)}\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode(), body
+
+
+def test_a_large_body_arriving_in_pieces_is_answered_and_the_pipelined_request_after_it_too(job, reference):
+    """Headers first, then a 66 KB body in pieces (read straight into its buffer: more than a read is left
+    after the headers), then a pipelined request: both answered, the first with the model's numbers."""
+    feeds = _inputs(1024, seed=11)
+    head, body = _binary_request(feeds)
+    with _connect(job) as s:
+        s.sendall(head)
+        time.sleep(0.2)
+        for at in range(0, len(body), 20_000):
+            s.sendall(body[at:at + 20_000])
+            time.sleep(0.05)
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer, closed = _read_all(s, SLACK_S)
+    first, _, rest = answer.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in first.split(b"\r\n") if line.lower().startswith(
+        b"content-length")))
+    outputs = {o["name"]: o for o in json.loads(rest[:length])["outputs"]}
+    want = reference.run(feeds)
+    np.testing.assert_allclose(np.array(outputs["scores"]["data"]).reshape(want["scores"].shape), want["scores"],
+                               rtol=1e-5)
+    assert _status_of(answer) == 200 and _status_of(rest[length:]) == 200 and b'"live":true' in rest[length:]
+    assert closed
+
+
+def test_a_large_body_that_stalls_gets_408_and_its_reservation_is_released(job, reference):
+    with normal_client(job, reference), _connect(job) as s:
+        s.sendall(b"POST /v2/models/mio/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 500000\r\n\r\n"
+                  b'{"inputs": [' + b" " * 200)
+        answer, closed = _read_all(s, LIMITS["body_timeout_s"] + SLACK_S)
+    assert _status_of(answer) == 408 and b"body_timeout_s" in answer
+    assert closed
+
+
+def test_bodies_announced_but_not_sent_cannot_take_the_budget_from_one_that_is_sent(job, reference):
+    """Four connections announce 0.9 MiB bodies and trickle a byte now and then (their stall clocks never run
+    out); a 0.5 MiB request on a fifth is still answered: buffers reserved ahead of their bytes may hold at
+    most half of max_buffered_mb (3 MiB), so at most one of the four holds one."""
+    announced = [_connect(job, timeout=60) for _ in range(4)]
+    body = json.dumps(_json_body(batch=1, seed=5)).encode()
+    padded = body[:-1] + b" " * (500_000 - len(body)) + b"}"
+    try:
+        for s in announced:
+            s.sendall(b"POST /v2/models/mio/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 900000\r\n\r\n"
+                      b'{"inputs": [')
+        time.sleep(0.3)
+        for s in announced:
+            s.sendall(b" ")
+        with _connect(job, timeout=60) as s:
+            s.sendall(_post(padded, "Connection: close\r\n"))
+            answer, _ = _read_all(s, SLACK_S)
+            for other in announced:
+                other.sendall(b" ")
+    finally:
+        for s in announced:
+            s.close()
+    assert _status_of(answer) == 200, answer[:300]
+
+
 def test_memory_of_the_job_stays_bounded_after_all_of_it(job):
     # after the hostile tests above, the job holds no more than a few of its request limits (1 MiB) more
     grown = job.rss() - job.rss_at_start
