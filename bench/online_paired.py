@@ -322,9 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-md", default=None, help="write the section into this RESULTS.md (full runs only)")
     p.add_argument("--render", default=None, nargs="+", metavar="JSON",
                    help="write the section from online_paired.json files (one table each, in this order)")
+    p.add_argument("--notes", default=None, metavar="MD", help="with --render: text to put under the tables")
     args = p.parse_args(argv)
     if args.render:
         text = "\n\n".join(render(json.loads(Path(path).read_text())) for path in args.render)
+        if args.notes:  # what the runs show, written by whoever read them
+            text += "\n\n" + Path(args.notes).read_text().strip()
         print(text)
         if args.results_md:
             write_section(args.results_md, text)
