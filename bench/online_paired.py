@@ -34,7 +34,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,7 +46,7 @@ for _p in (str(ROOT), str(BENCH)):
         sys.path.insert(0, _p)
 
 from online_peers import (PARENT, PEER_KINDS, SLOS_MS, HttpPeerServer, ReamerJob, Settled,  # noqa: E402
-                          Step, _feeds, _searches, reference_outputs, resolve_model, step_seconds)
+                          Step, _feeds, _searches, reference_outputs, run_models, step_seconds)
 
 SECTION = "### Online, paired: reamer and the best HTTP peer taking turns at the same rates (issue 14)"
 DEFAULT_MODELS = "resnet50,mobilenet_v2,bert-base"
@@ -352,19 +351,10 @@ def main(argv: list[str] | None = None) -> int:
                             "rounds": args.rounds, "seed": args.seed,
                             "load_start": loadavg(), "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                             "rows": []}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="online-paired-") as tmp:
-        for name in [m for m in args.models.split(",") if m]:
-            print(f"== {name} (load {loadavg()})", flush=True)
-            try:
-                row = compare_model(name, resolve_model(name, Path(args.model_dir)), cpus, args,
-                                    Path(tmp) / name.replace(":", "_"), lambda text: print(text, flush=True))
-            except Exception as exc:  # noqa: BLE001 - one model failing must not lose the others' figures
-                row = {"model": name, "error": f"{type(exc).__name__}: {exc}"[:200]}
-            data["rows"].append(row)
-            data["load_end"], data["ended"] = loadavg(), time.strftime("%H:%M", time.gmtime())
-            (out / "online_paired.json").write_text(json.dumps(data, indent=1, default=str))
+    run_models([m for m in args.models.split(",") if m],
+               lambda _, name, model, work: compare_model(name, model, cpus, args, work,
+                                                          lambda text: print(text, flush=True)),
+               args.model_dir, data, Path(args.out) / "online_paired.json")
     text = render(data)
     print(text)
     if args.results_md and not args.quick:

@@ -1052,6 +1052,25 @@ def resolve_model(name: str, model_dir: Path) -> str:
     return str(model_file(name, FAMILIES.get(name, {}), model_dir))
 
 
+def run_models(names: Sequence[str], one: Callable[[int, str, str, Path], dict[str, Any]], model_dir: str,
+               data: dict[str, Any], out: Path) -> None:
+    """`one(index, name, model file, work dir)` for each model, its row (or the error that stopped it: the other
+    models' figures still count) appended to data["rows"] and the JSON rewritten after each."""
+    from search_calibration import loadavg
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{out.stem}-") as tmp:
+        for index, name in enumerate(names):
+            print(f"== {name} (load {loadavg()})", flush=True)
+            try:
+                row = one(index, name, resolve_model(name, Path(model_dir)), Path(tmp) / name.replace(":", "_"))
+            except Exception as exc:  # noqa: BLE001 - one model failing must not lose the others' figures
+                row = {"model": name, "error": f"{type(exc).__name__}: {exc}"[:200]}
+            data["rows"].append(row)
+            data["load_end"], data["ended"] = loadavg(), time.strftime("%H:%M", time.gmtime())
+            out.write_text(json.dumps(data, indent=1, default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 epilog=__doc__[__doc__.index("    # the full run"):],
@@ -1123,22 +1142,13 @@ def main(argv: list[str] | None = None) -> int:
                             "precision": args.precision, "client": args.client, "contenders": contenders,
                             "load_start": loadavg(),
                             "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "rows": []}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="online-peers-") as tmp:
-        for index, name in enumerate(names):
-            k = index % len(contenders)
-            order = contenders[k:] + contenders[:k]  # rotated: drift hits all alike
-            print(f"== {name} (load {loadavg()})", flush=True)
-            try:
-                row = compare_model(name, resolve_model(name, Path(args.model_dir)), cpus, args, order,
-                                    Path(tmp) / name.replace(":", "_"))
-            except Exception as exc:  # noqa: BLE001 - one model failing must not lose the others' figures
-                row = {"model": name, "error": f"{type(exc).__name__}: {exc}"[:200]}
-            print(json.dumps({k: row.get(k) for k in ("model", "ratio", "error")}), flush=True)
-            data["rows"].append(row)
-            data["load_end"], data["ended"] = loadavg(), time.strftime("%H:%M", time.gmtime())
-            (out / "online_peers.json").write_text(json.dumps(data, indent=1, default=str))
+    def one(index: int, name: str, model: str, work: Path) -> dict[str, Any]:
+        k = index % len(contenders)
+        row = compare_model(name, model, cpus, args, contenders[k:] + contenders[:k], work)  # rotated: drift
+        print(json.dumps({k: row.get(k) for k in ("model", "ratio", "error")}), flush=True)  # hits all alike
+        return row
+
+    run_models(names, one, args.model_dir, data, Path(args.out) / "online_peers.json")
     text = render(data)
     print(text)
     if args.results_md and not args.quick:

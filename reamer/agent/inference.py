@@ -156,8 +156,8 @@ class ProfileCacheChooser:
                     rate_rps: float | None, max_batch: int | None,
                     samples: "SampleSpec | None" = None, precision: str = "f32") -> LayoutChoice | None:
         from reamer.plan.admission import batch_latency_target_ms
-        from reamer.plan.partition import NoFeasibleLayout
         from reamer.plan.online_sim import with_sustained
+        from reamer.plan.partition import NoFeasibleLayout
         from reamer.plan.search import plan_from_profile
 
         backends = installed_backends() if backend == AUTO_BACKEND else [backend]
