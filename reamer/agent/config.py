@@ -126,6 +126,10 @@ class SecurityConfig(_Section):
     max_long_polls: int = Field(default=64, ge=1, le=10000)
     # Connections and requests the API serves at once; beyond them: 503 (bounds the agent's memory and fds).
     max_connections: int = Field(default=256, ge=8, le=100000)
+    # Group whose members (with root) are the node's admins: the control socket always lets them in
+    # (connections beyond other callers' caps), and other users' jobs never shrink their jobs' RT budget.
+    # None: root alone is an admin. Membership is read from the user database, never from the caller.
+    admin_group: Optional[str] = Field(default=None, min_length=1, max_length=64)
 
 
 class AgentConfig(_Section):

@@ -30,10 +30,16 @@ class Caller:
     uid: int
     gid: int
     pid: int
+    admin: bool = False  # a member of security.admin_group (root is an admin whatever its groups)
 
     @property
     def is_root(self) -> bool:
         return self.uid == ROOT_UID
+
+    @property
+    def is_admin(self) -> bool:
+        """Root, or a member of the configured admin group."""
+        return self.is_root or self.admin
 
     def __str__(self) -> str:
         return f"uid {self.uid} (pid {self.pid})"

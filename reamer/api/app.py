@@ -29,6 +29,7 @@ from reamer.api.server import PEER_SCOPE_KEY
 from reamer.api.schemas import (DemoteResult, ErrorBody, Event, EventList, GpuJobRequest, GpuJobUpdate, GpuStatus, Health,
                                 InferenceJob, InferenceJobList, InferenceJobRequest, NodeInfo, TrainingJob,
                                 TrainingJobList, TrainingJobRequest)
+from reamer.host.access import in_group
 from reamer.host.errors import HostError, ReamerError
 
 if TYPE_CHECKING:
@@ -131,7 +132,8 @@ class SocketGate:
 async def caller_of(request: Request) -> Caller:
     """The caller of this request (SocketGate let only requests with credentials in)."""
     peer = request.scope[PEER_SCOPE_KEY]
-    return Caller(uid=peer.uid, gid=peer.gid, pid=peer.pid)
+    admin_group = request.app.state.agent.config.security.admin_group
+    return Caller(uid=peer.uid, gid=peer.gid, pid=peer.pid, admin=in_group(peer.uid, peer.gid, admin_group))
 
 
 def _status_of(exc: ReamerError) -> tuple[int, str]:

@@ -84,3 +84,16 @@ def can_access(identity: Identity, path: str, kind: str) -> bool:
     except subprocess.TimeoutExpired:
         return False  # a hung mount: the job could not use it either
     return done.returncode == 0
+
+
+def in_group(uid: int, gid: int, group: str | None) -> bool:
+    """Whether the user `uid` (primary group `gid`) is a member of `group`, by the user database (never by
+    what a caller says); False for no group, an unknown group or an unknown user."""
+    if not group:
+        return False
+    try:
+        wanted = grp.getgrnam(group).gr_gid
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return False
+    return wanted == gid or wanted in _grouplist(name, gid)
