@@ -20,6 +20,7 @@ PACKAGES = (
     "systemd-sysv", "udev", "dbus", "kmod", "python3", "iproute2", "procps", "numactl", "util-linux",
     "libsqlite3-0", "libssl3", "libffi8",  # what the shared CPython build links against
     "podman", "docker.io", "containerd", "runc", "crun",
+    "slurmctld", "slurmd", "slurm-client", "munge",  # tests/hosts/test_slurm.py: a private cluster per test run
 )
 # Drivers a q35 VM never uses: less to copy, smaller image.
 STRIP_MODULES = (
@@ -182,6 +183,7 @@ def _build_into(work: Path, log: Path) -> None:
         'chroot "$1" systemctl enable reamer-lab.service',
         # Container engines stay off unless a profile asks for them (systemd.wants= on the kernel line).
         'chroot "$1" systemctl disable docker.service docker.socket containerd.service || true',
+        'chroot "$1" systemctl disable slurmctld.service slurmd.service munge.service || true',
         'chroot "$1" useradd -m -s /bin/bash labuser',
         'rm -f "$1"/etc/machine-id "$1"/var/lib/dbus/machine-id; : > "$1"/etc/machine-id',
     ]

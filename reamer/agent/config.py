@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from reamer.host.cpulist import parse_cpulist
 from reamer.host.errors import ReamerError
@@ -32,6 +32,9 @@ class TrainingConfig(_Section):
     # Real-time budget (µs per cpu.rt_period_us, per CPU; v1 RT group scheduling): the cap for all attached
     # jobs together, held only while jobs are attached. Below the root's 950000 so RT throttling keeps working.
     rt_runtime_us: int = Field(default=900000, ge=1000, le=950000)
+    # The part of rt_runtime_us (percent) that the jobs of users other than root and the admin group may hold
+    # together; root's and admins' jobs share the rest, so no user's attach shrinks their budget.
+    user_rt_percent: int = Field(default=25, ge=0, le=100)
 
 
 class FrontDoorConfig(_Section):
@@ -79,6 +82,29 @@ class InferenceConfig(_Section):
         except ValueError:
             raise ValueError(f"{value!r} is not an IP address (use 0.0.0.0 for every interface, or one address "
                              "of this node)") from None
+    # Shared libraries of custom ONNX operators that every ONNX Runtime session of the node's jobs, deploy checks
+    # and searches registers (onnxruntime-extensions' own is registered whenever that package is installed).
+    # Absolute paths of root-owned files that no one else can write: they run as code in every job.
+    custom_op_libraries: list[str] = Field(default_factory=list, max_length=32)
+
+    @field_validator("custom_op_libraries")
+    @classmethod
+    def _root_owned_libraries(cls, paths: list[str]) -> list[str]:
+        import os
+        import stat
+
+        for path in paths:
+            if not os.path.isabs(path) or os.pathsep in path:
+                raise ValueError(f"{path!r} is not an absolute path (without {os.pathsep!r})")
+            try:
+                info = os.stat(path)
+            except OSError as exc:
+                raise ValueError(f"{path} cannot be read ({exc.strerror})") from None
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"{path} is not a regular file")
+            if info.st_uid != 0 or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                raise ValueError(f"{path} must be owned by root and writable by root alone (it runs in every job)")
+        return paths
     # "module:function" returning reamer.agent.inference.LayoutChoice (None: built-in profile-cache chooser).
     layout_chooser: Optional[str] = None
     # Where cached profiles are read from (default: <state_dir>/profiles).
@@ -109,6 +135,10 @@ class InferenceConfig(_Section):
     oom_score_adj: int = Field(default=800, ge=1, le=1000)
     # Whom jobs that root deploys run as (a user name or uid). Jobs other callers deploy run as them.
     run_as: str = Field(default="root", min_length=1, max_length=64)
+    # The deploy check (a child process as the job's user opens the model and reads input_data) is stopped
+    # after this and the deploy refused; its memory limit is the job's (memory_limit_mb), else check_memory_mb.
+    check_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    check_memory_mb: float = Field(default=4096.0, ge=64, le=2**30)
 
 
 class SecurityConfig(_Section):
@@ -124,15 +154,58 @@ class SecurityConfig(_Section):
     max_body_kb: int = Field(default=256, ge=1, le=65536)
     # Long-polls (GET /v1/events?wait=) open at once; more get 429 (they never hold worker threads).
     max_long_polls: int = Field(default=64, ge=1, le=10000)
-    # Connections and requests the API serves at once; beyond them: 503 (bounds the agent's memory and fds).
+    # Control-socket connections open at once from callers other than admins; one more gets 503 and is closed
+    # at once (bounds the agent's memory and fds). Admins get in beyond it (admin_reserved_connections).
     max_connections: int = Field(default=256, ge=8, le=100000)
+    # Connections one uid (not an admin) may hold open at once; one more gets 429 and is closed at once.
+    max_connections_per_uid: int = Field(default=32, ge=1, le=100000)
+    # Connections kept for root and admin_group above max_connections: admins get in while fewer than
+    # max_connections + this are open, whatever other callers hold.
+    admin_reserved_connections: int = Field(default=32, ge=1, le=100000)
+    # The request line and headers must arrive within this of a request's first byte (of the connection, for
+    # its first request), and its body within this of its headers; else 408 and the connection closes.
+    header_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    # A connection with no request in progress (nothing sent since its last answer) is closed after this.
+    # A long-poll being answered is in progress, not idle.
+    idle_timeout_s: float = Field(default=30.0, gt=0, le=86400)
+    # Largest request line + headers (KiB); past it 431 and the connection closes, the rest never read.
+    max_header_kb: int = Field(default=32, ge=1, le=4096)
     # Group whose members (with root) are the node's admins: the control socket always lets them in
     # (connections beyond other callers' caps), and other users' jobs never shrink their jobs' RT budget.
     # None: root alone is an admin. Membership is read from the user database, never from the caller.
     admin_group: Optional[str] = Field(default=None, min_length=1, max_length=64)
 
 
+INSTANCE_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,63}$"
+
+
+def instance_defaults(instance: str | None) -> dict[str, str]:
+    """The socket, state and run directories and cgroup name of agent `instance` (None: the node's one agent).
+    One name keeps a second agent apart from the first in everything it owns on the node."""
+    suffix = f"-{instance}" if instance else ""
+    return {"socket": f"/run/reamer{suffix}/reamer.sock", "state_dir": f"/var/lib/reamer{suffix}",
+            "run_dir": f"/run/reamer{suffix}", "cgroup_name": f"reamer{suffix}"}
+
+
+class EventsConfig(_Section):
+    """Retention of the agent's event log (in state.db): oldest events go first past any of these."""
+
+    # Events kept in all.
+    max_count: int = Field(default=20000, ge=100, le=10_000_000)
+    # Size of the kept events (MiB: their kinds, messages and data), so the log cannot fill the state disk.
+    max_mb: float = Field(default=32.0, gt=0, le=1 << 20)
+    # Events kept per job: a job's own beyond this go before anything else, so one job (its events, its
+    # deploys and removals) cannot push other jobs' and the agent's events out.
+    max_per_job: int = Field(default=2000, ge=10, le=10_000_000)
+    # A file of this size (MiB) kept in the state directory and given up when the disk is full, so that
+    # detach, demote-all and remove still get recorded; made again once there is room. 0: none.
+    disk_reserve_mb: float = Field(default=4.0, ge=0, le=1024)
+
+
 class AgentConfig(_Section):
+    # A second agent on the node: its name derives socket, state_dir (and so its profile cache), run_dir and
+    # cgroup_name (instance_defaults) wherever they are not set; `reamer --instance NAME` talks to it.
+    instance: Optional[str] = Field(default=None, pattern=INSTANCE_PATTERN)
     socket: str = "/run/reamer/reamer.sock"
     # Group that owns the socket (mode 0660): its members may use the CLI and API. None = root's group.
     socket_group: Optional[str] = None
@@ -146,9 +219,17 @@ class AgentConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
     # Passed to reamer.gpu.config.GpuConfig.from_dict; {} = defaults.
     gpu: dict[str, Any] = Field(default_factory=dict)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _instance_paths(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("instance"), str) and data["instance"]:
+            data = {**instance_defaults(data["instance"]), **data}
+        return data
 
     @field_validator("reserved_cpus", mode="before")
     @classmethod

@@ -110,6 +110,7 @@ def run_daemon(config: AgentConfig | str | Path | None = None, overrides: dict[s
     (bad config, socket in use, RT throttling off, unreadable store)."""
     from reamer.agent.service import Agent
     from reamer.api.app import build_app
+    from reamer.api.fairness import SocketLimits
     from reamer.api.server import make_server
 
     cfg = _resolve_config(config, overrides)
@@ -128,8 +129,8 @@ def run_daemon(config: AgentConfig | str | Path | None = None, overrides: dict[s
     if notifier.enabled and watchdog_usec:
         agent.on_reconcile.append(lambda _duration: notifier.notify("WATCHDOG=1"))
 
-    server = make_server(build_app(agent), log_level=cfg.log_level,  # tells the API who calls (SO_PEERCRED)
-                         max_connections=cfg.security.max_connections)
+    # tells the API who calls (SO_PEERCRED); caps connections per uid with a share kept for admins; timeouts
+    server = make_server(build_app(agent), log_level=cfg.log_level, limits=SocketLimits.from_security(cfg.security))
 
     def announce_ready() -> None:
         while not server.started and not server.should_exit:

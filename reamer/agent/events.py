@@ -1,4 +1,6 @@
-"""The agent's event log: durable (in the store), ids monotonic, and a long-poll for subscribers."""
+"""The agent's event log: durable (in the store), ids monotonic, bounded (Store's retention), and a long-poll
+for subscribers. Events a job sends (serve.job_channel) never use the store's disk reserve, and an event
+that cannot be stored (a full disk) is logged, never the failure of what it reports."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +9,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from reamer.agent.store import Store
+from reamer.agent.store import Store, StoreError
+from reamer.serve.job_channel import JOB_EVENT_KINDS
+
+# Kinds a job's own channel produces: stored only while there is room (never with the disk reserve).
+JOB_CHANNEL_KINDS = JOB_EVENT_KINDS | {"job_events_dropped"}
 
 log = logging.getLogger("reamer.events")
 
@@ -35,7 +41,13 @@ class EventLog:
     def emit(self, kind: str, message: str, job: str | None = None, data: dict[str, Any] | None = None) -> Event:
         ts = time.time()
         with self._cond:
-            event_id = self._store.append_event(ts, kind, job, message, data or {})
+            try:
+                event_id = self._store.append_event(ts, kind, job, message, data or {},
+                                                    essential=kind not in JOB_CHANNEL_KINDS)
+            except StoreError as exc:
+                log.error("event %s%s not recorded (%s; fix: %s): %s", kind, f" [{job}]" if job else "",
+                          exc.message, exc.fix, message)
+                return Event(0, ts, kind, job, message, dict(data or {}))
             self._last_id = max(self._last_id, event_id)
             self._cond.notify_all()
         log.info("event %s%s: %s", kind, f" [{job}]" if job else "", message)

@@ -1,9 +1,10 @@
 """Supervise inference jobs: placement, JobSpec files, job processes, their status and events.
 
-Each job runs as `python -m reamer.serve.job --spec <run_dir>/jobs/<name>/spec.json` in its own
-session, so it survives an agent restart; the agent re-attaches by pid (checked against
-/proc/<pid>/cmdline). A placement change rewrites the spec and sends SIGHUP; an online job that
-loses its cores is stopped and waits (state "pending") until cores are free again.
+Each job runs as `python -I -m reamer.serve.job --spec <run_dir>/jobs/<name>@<deploy id>/spec.json` in its
+own session (so it survives an agent restart), from a directory root made for that deploy
+(reamer.agent.job_dir); the agent re-attaches by pid (checked against /proc/<pid>/cmdline). A placement
+change rewrites the spec and sends SIGHUP; an online job that loses its cores is stopped and waits (state
+"pending") until cores are free again.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -23,11 +25,17 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import psutil
 
+from reamer.agent import job_dir as job_files
 from reamer.agent.errors import AdmissionRefused, InvalidRequest
+from reamer.host.cpulist import format_cpulist
 from reamer.host.errors import ReamerError
-from reamer.serve.spec import EVENTS_FILE, STATUS_FILE, InstanceSpec, JobSpec, JobStatus, read_events
+from reamer.host.safe_files import UntrustedFileError, UntrustedFileMissing, open_untrusted
+from reamer.serve.job_channel import (JOB_EVENT_KINDS, LIMITS, ChannelRead, EventCursor, JobChannel, ReadRequest,
+                                      read_channels)
+from reamer.serve.spec import EVENTS_FILE, STATUS_FILE, InstanceSpec, JobSpec, JobStatus
 
 if TYPE_CHECKING:
+    from reamer.serve.deploy_check import DeployCheck
     from reamer.serve.samples import SampleSpec
 
 log = logging.getLogger("reamer.inference")
@@ -36,7 +44,7 @@ DEFAULT_BATCH = 4
 DEFAULT_BIND_ADDRESS = "0.0.0.0"  # online front doors listen on every interface, as Triton and KServe do
 STOP_TIMEOUT_S = 5.0
 LEAVE_TIMEOUT_S = 5.0
-FORWARDED_EVENTS = ("overload", "frontdoor_saturated", "worker_crashed", "worker_restarted", "done", "failed")
+FORWARDED_EVENTS = tuple(sorted(JOB_EVENT_KINDS))  # the kinds a job may emit (serve.job_channel); others are dropped
 
 EmitFn = Callable[..., Any]  # emit(kind, message, job=None, data=None)
 
@@ -118,6 +126,9 @@ class ProfileCacheChooser:
         self.profile_dir = Path(profile_dir)
         self.search = search
         self.margin = margin
+        # set when the node reserves no cpu: front doors then share a layout's cores unless it leaves one idle
+        # (reamer.plan.frontdoor), and layouts are charged this much cpu per request for them
+        self.frontdoor_cpu_ms: float | None = None
         self._searching = threading.Lock()
 
     def __call__(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
@@ -169,7 +180,10 @@ class ProfileCacheChooser:
             if not points or (self.search is not None and max(p.cores for p in points) < len(cpus)):
                 return None  # "auto" plans only when every backend is cached: else it would never measure one
             try:
-                plans.append((one, plan_from_profile(points, len(cpus), batch_latency_target_ms(slo_ms)), points))
+                plan = plan_from_profile(points, len(cpus), batch_latency_target_ms(slo_ms))
+                if self.frontdoor_cpu_ms:
+                    plan = self._frontdoor_counted(plan, points, len(cpus), batch_latency_target_ms(slo_ms))
+                plans.append((one, plan, points))
             except NoFeasibleLayout as exc:
                 refusals.append(exc.message)
         if not plans:
@@ -180,6 +194,22 @@ class ProfileCacheChooser:
         if backend == AUTO_BACKEND:
             candidate = replace(candidate, layout=candidate.layout.on(one))
         return self._admit(candidate, slo_ms, rate_rps, "planned from the cached profile")
+
+    def _frontdoor_counted(self, plan: Any, points: list, n_cores: int, target_ms: float | None) -> Any:
+        """The plan on all `n_cores` charged for the front door, or the plan on one core fewer if that carries more
+        (reamer.plan.frontdoor)."""
+        from reamer.plan.frontdoor import charge_candidates
+        from reamer.plan.partition import NoFeasibleLayout
+        from reamer.plan.search import plan_from_profile
+
+        charged = charge_candidates([plan], n_cores, self.frontdoor_cpu_ms or 0.0)[0]
+        if n_cores < 2:
+            return charged
+        try:
+            fewer = plan_from_profile(points, n_cores - 1, target_ms)
+        except NoFeasibleLayout:
+            return charged
+        return fewer if fewer.rps > charged.rps else charged
 
     def _measure(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
                  rate_rps: float | None, max_batch: int | None, budget_s: float,
@@ -198,7 +228,7 @@ class ProfileCacheChooser:
                                     budget_s=budget_s,
                                     settings=MeasureSettings(warmup_s=s.warmup_s, window_s=s.window_s),
                                     strict_cache=False, cache_source="agent deploy", samples=samples,
-                                    precision=precision)
+                                    precision=precision, frontdoor_cpu_ms=self.frontdoor_cpu_ms)
         except ReamerError as exc:  # the model would not run here: the job itself will say why
             log.warning("layout search for %s failed: %s", model, exc)
             return None
@@ -263,6 +293,11 @@ class InferenceRecord:
     memory_limit_mb: float | None = None  # None: the config's inference.memory_limit_mb
     run_uid: int = 0  # the job's processes run as this uid/gid (the deploying caller, or inference.run_as)
     run_gid: int = 0
+    # names this deploy's own directory (jobs/<name>@<deploy_id>), fresh for each deploy; "" in older records
+    deploy_id: str = field(default_factory=job_files.new_deploy_id)
+    # placed by Slurm: the job runs only on that Slurm job's cpus here and is removed when it ends
+    slurm_job: int | None = None
+    allowed_cpus: list[int] | None = None
 
     def to_doc(self) -> dict[str, Any]:
         return asdict(self)
@@ -275,17 +310,23 @@ class InferenceRecord:
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> "InferenceRecord":
         known = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in doc.items() if k in known})
+        # a record of an older agent has no deploy id: it keeps the per-name directory it runs in
+        return cls(**{"deploy_id": "", **{k: v for k, v in doc.items() if k in known}})
 
 
-def _run_as_kwargs(rec: InferenceRecord, job_dir: Path) -> dict[str, Any]:
-    """Popen arguments that start the job as its user (nothing for root), and the job directory handed
-    to that user (the job writes its status, events and log there)."""
-    if not rec.run_uid or os.geteuid() != 0:
+def job_user(rec: InferenceRecord) -> job_files.JobUser:
+    """Whom the job runs as: its run_uid when the agent is root and that is not root, else the agent."""
+    if rec.run_uid and os.geteuid() == 0:
+        return job_files.JobUser(rec.run_uid, rec.run_gid, switch=True)
+    return job_files.JobUser(os.geteuid(), os.getegid(), switch=False)
+
+
+def _run_as_kwargs(rec: InferenceRecord) -> dict[str, Any]:
+    """Popen arguments that start the job as its user (nothing when it runs as the agent)."""
+    if not job_user(rec).switch:
         return {}
     import pwd
 
-    os.chown(job_dir, rec.run_uid, rec.run_gid)
     try:
         groups = os.getgrouplist(pwd.getpwuid(rec.run_uid).pw_name, rec.run_gid)
     except KeyError:
@@ -306,11 +347,20 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def _tail(path: Path, lines: int = 5) -> str:
+LOG_TAIL_BYTES = 4096
+
+
+def _tail(directory: Path, owner: int, lines: int = 5) -> str:
+    """The last lines of the job's job.log in its (root-owned) directory: at most LOG_TAIL_BYTES, and only
+    from a regular file of the job's user (never through a link, a FIFO or a device)."""
     try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
+        data = open_untrusted(directory, job_files.LOG_FILE, {owner}, LOG_TAIL_BYTES, mode="tail")
+    except UntrustedFileMissing:
         return ""
+    except UntrustedFileError as exc:
+        log.warning("not reading the log of a job: %s", exc.message)
+        return f"(job.log not read: {exc.message})"
+    text = data.decode(errors="replace").strip().splitlines()
     return " | ".join(text[-lines:])
 
 
@@ -335,16 +385,29 @@ class InferenceSupervisor:
         self.restart_window_s = restart_window_s
         self.python = python
         self.records: dict[str, InferenceRecord] = {}
+        # idle cpus no instance of any job runs on (last replan): front doors go there when none is reserved
+        self.spare_cpus: list[int] = []
+        self._frontdoor_written: dict[str, list[int]] = {}  # job -> frontdoor_cpus of the spec it runs
         self._procs: dict[str, subprocess.Popen] = {}
         self._status: dict[str, JobStatus] = {}
+        self._channels: dict[str, JobChannel] = {}  # job -> its channel's rate window and drop counts
 
     # --- paths ---
 
-    def job_dir(self, name: str) -> Path:
-        return self.jobs_dir / name
+    def job_dir(self, job: "str | InferenceRecord") -> Path:
+        """The job's directory (root's: its cwd, spec.json, job.log); a name means the current record's."""
+        rec = self.records.get(job) if isinstance(job, str) else job
+        name = job if isinstance(job, str) else job.name
+        return job_files.deploy_dir(self.jobs_dir, name, rec.deploy_id if rec is not None else "")
 
-    def spec_path(self, name: str) -> Path:
-        return self.job_dir(name) / "spec.json"
+    def io_dir(self, job: "str | InferenceRecord") -> Path:
+        """Where the job writes what the agent reads: status.json, events.jsonl (its user's directory)."""
+        rec = self.records.get(job) if isinstance(job, str) else job
+        name = job if isinstance(job, str) else job.name
+        return job_files.io_dir(self.jobs_dir, name, rec.deploy_id if rec is not None else "")
+
+    def spec_path(self, job: "str | InferenceRecord") -> Path:
+        return self.job_dir(job) / job_files.SPEC_FILE
 
     # --- adoption after an agent restart ---
 
@@ -386,7 +449,8 @@ class InferenceSupervisor:
             layout = parse_layout(rec.layout) if rec.layout else None
             cores = None if layout is not None or rec.kind == "offline" else max(1, rec.cores or 1)
             result.append(InferenceDemand(job=rec.name, kind=rec.kind, layout=layout, cores=cores,
-                                          batch=rec.max_batch or DEFAULT_BATCH))
+                                          batch=rec.max_batch or DEFAULT_BATCH,
+                                          allowed_cpus=tuple(rec.allowed_cpus) if rec.allowed_cpus else None))
         return result
 
     def previous(self) -> dict[str, list]:
@@ -408,6 +472,8 @@ class InferenceSupervisor:
 
         training = sorted(set(training_cpus))
         result = place(list(idle_cpus), set(training), demands, self.previous())
+        used = {c for placed in result.assignments.values() for p in placed for c in p.cpus}
+        self.spare_cpus = [c for c in idle_cpus if c not in used and c not in training]
         changes: dict[str, str] = {}
         for demand in demands:
             rec = self.records[demand.job]
@@ -426,7 +492,7 @@ class InferenceSupervisor:
                     changes[rec.name] = "stopped"
                 continue
             running = self.is_running(rec)
-            if instances == rec.instances and running:
+            if instances == rec.instances and running and self._frontdoor_unchanged(rec):
                 continue
             old = rec.instances
             rec.instances, rec.message, rec.state = instances, "", "running"
@@ -434,8 +500,10 @@ class InferenceSupervisor:
             self._write_spec(rec)
             if running:
                 self._signal(rec, signal.SIGHUP)
-                self.emit("replanned", f"{rec.name} moved to cpus {self._cpus_text(rec)}", job=rec.name,
-                          data={"from": old, "to": instances})
+                where = (f"its front door to cpus {format_cpulist(self._frontdoor_written[rec.name])}"
+                         if old == instances else f"to cpus {self._cpus_text(rec)}")
+                self.emit("replanned", f"{rec.name} moved {where}", job=rec.name,
+                          data={"from": old, "to": instances, "frontdoor_cpus": self._frontdoor_written[rec.name]})
                 changes[rec.name] = "moved"
             else:
                 self._start(rec)
@@ -455,17 +523,33 @@ class InferenceSupervisor:
 
         return format_cpulist({c for i in rec.instances for c in i["cpus"]}) or "-"
 
+    def frontdoor_cpus(self, rec: InferenceRecord) -> list[int]:
+        """Where the job's own process (its front doors) runs: see reamer.plan.frontdoor.frontdoor_cpus."""
+        from reamer.plan.frontdoor import frontdoor_cpus
+
+        own = [c for i in rec.instances if not i["on_training"] for c in i["cpus"]]
+        return frontdoor_cpus(self.reserved, self.spare_cpus, own, [c for i in rec.instances for c in i["cpus"]])
+
+    def _frontdoor_unchanged(self, rec: InferenceRecord) -> bool:
+        written = self._frontdoor_written.get(rec.name)
+        if written is None:  # adopted after an agent restart: the spec on disk says what it runs
+            try:
+                written = JobSpec.load(self.spec_path(rec.name)).frontdoor_cpus
+            except Exception:  # noqa: BLE001 - unreadable: write it again
+                return False
+            self._frontdoor_written[rec.name] = written
+        return written == self.frontdoor_cpus(rec)
+
     def build_spec(self, rec: InferenceRecord) -> JobSpec:
         instances = [InstanceSpec(cpus=list(i["cpus"]), threads=i["threads"], max_batch=i["max_batch"],
                                   sched="idle" if i["on_training"] and self.offline_sched == "idle" else "other",
                                   streams=int(i.get("streams", 1)))
                      for i in rec.instances]
-        own = sorted({c for i in rec.instances if not i["on_training"] for c in i["cpus"]})
-        frontdoor = self.reserved or own or sorted({c for i in rec.instances for c in i["cpus"]})
+        frontdoor = self.frontdoor_cpus(rec)
         return JobSpec(name=rec.name, kind=rec.kind, model=rec.model, backend=rec.backend, instances=instances,
                        frontdoor_cpus=frontdoor, slo_ms=rec.slo_ms, rate_rps=rec.rate_rps, port=rec.port,
                        grpc_port=rec.grpc_port,
-                       input_dir=rec.input_dir, output_dir=rec.output_dir, run_dir=str(self.job_dir(rec.name)),
+                       input_dir=rec.input_dir, output_dir=rec.output_dir, run_dir=str(self.io_dir(rec)),
                        max_request_mb=self.max_request_mb, frontdoor=dict(self.frontdoor),
                        log_max_mb=self.job_log_mb, host=rec.bind_address or self.bind_address,
                        shapes=dict(rec.shapes), input_data=rec.input_data, precision=rec.precision)
@@ -487,8 +571,29 @@ class InferenceSupervisor:
         return set(spec.frontdoor_cpus) | {c for i in spec.instances for c in i.cpus}
 
     def _write_spec(self, rec: InferenceRecord) -> None:
-        self.job_dir(rec.name).mkdir(parents=True, exist_ok=True)
-        self.build_spec(rec).save(self.spec_path(rec.name))
+        if rec.deploy_id or not self.is_running(rec):  # a running job of an older agent keeps its directory
+            self._prepare_dir(rec)
+        spec = self.build_spec(rec)
+        spec.save(self.spec_path(rec))
+        self._frontdoor_written[rec.name] = list(spec.frontdoor_cpus)
+
+    def _prepare_dir(self, rec: InferenceRecord) -> Path:
+        """The deploy's own directory (see reamer.agent.job_dir), made now if it is not there."""
+        if not rec.deploy_id:  # a record of an older agent, whose process has ended
+            rec.deploy_id = job_files.new_deploy_id()
+            self.save(rec)
+        try:
+            base, made = job_files.prepare(self.jobs_dir, rec.name, rec.deploy_id, job_user(rec))
+        except ReamerError as exc:  # something not of ours is there: never use it, start a fresh one
+            log.warning("job %s: %s; using a new directory", rec.name, exc.message)
+            rec.deploy_id = job_files.new_deploy_id()
+            self.save(rec)
+            base, made = job_files.prepare(self.jobs_dir, rec.name, rec.deploy_id, job_user(rec))
+        if made:  # an older agent's per-name directory (its user's) is used by no one from now on
+            why = job_files.remove(self.jobs_dir, rec.name, "")
+            if why:
+                log.warning("job %s: the directory of an older agent is left: %s", rec.name, why)
+        return base
 
     # --- processes ---
 
@@ -499,33 +604,41 @@ class InferenceSupervisor:
         return self._is_our_process(rec)
 
     def _start(self, rec: InferenceRecord) -> None:
-        job_dir = self.job_dir(rec.name)
-        job_dir.mkdir(parents=True, exist_ok=True)
-        self._write_spec(rec)
         try:
-            (job_dir / STATUS_FILE).unlink()
-        except FileNotFoundError:
-            pass
+            self._write_spec(rec)  # in the deploy's own directory, made now if need be (see _prepare_dir)
+            job_dir, io_dir = self.job_dir(rec), self.io_dir(rec)
+            try:
+                (io_dir / STATUS_FILE).unlink()  # unlink never follows; io/ sits in root's directory
+            except FileNotFoundError:
+                pass
+            try:
+                events = os.stat(io_dir / EVENTS_FILE, follow_symlinks=False)
+                rec.events_offset = events.st_size if stat.S_ISREG(events.st_mode) else 0
+            except FileNotFoundError:
+                rec.events_offset = 0
+            # made by root in root's directory (reamer.agent.job_dir): the job's user writes it, cannot swap it
+            log_fd = job_files.open_log(job_dir, job_user(rec))
+        except (OSError, ReamerError) as exc:
+            why = exc.message if isinstance(exc, ReamerError) else f"{exc.strerror} ({exc.filename})"
+            self._fail_start(rec, f"cannot prepare the job's directory under {self.jobs_dir}: {why}; fix: make the "
+                                  "agent's run_dir a local directory only root can write, with free space, and deploy "
+                                  "it again")
+            return
         self._status.pop(rec.name, None)
-        events = job_dir / EVENTS_FILE
-        rec.events_offset = events.stat().st_size if events.exists() else 0
-        as_user = _run_as_kwargs(rec, job_dir)
-        # O_NOFOLLOW: the directory may belong to the job's user, who must not aim root's writes elsewhere.
-        log_fd = os.open(job_dir / "job.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
-        if as_user:
-            os.fchown(log_fd, rec.run_uid, rec.run_gid)
+        as_user = _run_as_kwargs(rec)
         with os.fdopen(log_fd, "ab") as log_file:
             try:
+                # -I: neither the cwd nor the user's site directory nor PYTHON* variables reach sys.path;
+                # the cwd is root's anyway, and the environment is an allowlist (job_dir.job_environment).
                 proc = subprocess.Popen(
-                    [self.python, "-m", "reamer.serve.job", "--spec", str(self.spec_path(rec.name))],
+                    [self.python, "-I", "-m", "reamer.serve.job", "--spec", str(self.spec_path(rec))],
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd=job_dir,
+                    env=job_files.job_environment(job_user(rec)),
                     start_new_session=True, close_fds=True, **as_user)
             except OSError as exc:  # e.g. the job's user cannot execute the agent's python
-                rec.state, rec.pid, rec.instances = "failed", None, []
-                rec.message = (f"cannot start the job as uid {rec.run_uid}: {exc.strerror} ({exc.filename}); fix: "
-                               "make reamer's python and the model readable by that user, or deploy as another")
-                self.save(rec)
-                self.emit("inference_failed", f"{rec.name} failed: {rec.message}", job=rec.name)
+                self._fail_start(rec, f"cannot start the job as uid {rec.run_uid}: {exc.strerror} ({exc.filename}); "
+                                      "fix: make reamer's python and the model readable by that user, or deploy as "
+                                      "another")
                 return
         self._procs[rec.name] = proc
         rec.pid = proc.pid
@@ -537,6 +650,11 @@ class InferenceSupervisor:
         self.save(rec)
         self.emit("inference_started", f"{rec.name} started (pid {proc.pid}) on cpus {self._cpus_text(rec)}",
                   job=rec.name, data={"pid": proc.pid, "instances": rec.instances})
+
+    def _fail_start(self, rec: InferenceRecord, message: str) -> None:
+        rec.state, rec.pid, rec.instances, rec.message = "failed", None, [], message
+        self.save(rec)
+        self.emit("inference_failed", f"{rec.name} failed: {rec.message}", job=rec.name)
 
     def _signal(self, rec: InferenceRecord, sig: int) -> None:
         if rec.pid:
@@ -608,6 +726,7 @@ class InferenceSupervisor:
     def remove(self, name: str) -> int | None:
         """Forget the job and SIGTERM its process; returns the pid to wait_stopped() on."""
         rec = self.records.pop(name)
+        self._frontdoor_written.pop(name, None)
         pid = rec.pid if self.is_running(rec) else None
         if pid:
             self._signal(rec, signal.SIGTERM)
@@ -616,30 +735,77 @@ class InferenceSupervisor:
     def forget_process(self, name: str) -> None:
         self._procs.pop(name, None)
 
+    def remove_files(self, rec: InferenceRecord) -> None:
+        """Remove a removed job's directory, once no process of it is left (never following a link)."""
+        why = job_files.remove(self.jobs_dir, rec.name, rec.deploy_id)
+        if why:
+            log.warning("job %s: could not remove all of %s: %s", rec.name, self.job_dir(rec), why)
+
     # --- the periodic pass ---
 
     def status_of(self, name: str) -> JobStatus | None:
         return self._status.get(name)
 
-    def tick(self) -> bool:
-        """Read status and events, notice exits, restart crashed jobs. Returns True when cores changed hands
-        (a job ended), so the caller re-plans."""
+    @staticmethod
+    def _deploy_of(rec: InferenceRecord) -> tuple:
+        return rec.name, rec.deploy_id or rec.created_at
+
+    def read_requests(self) -> list[ReadRequest]:
+        """What tick() needs read of each job (cheap: no job file is touched). Call under the agent's lock,
+        read with serve.job_channel.read_channels outside it, and pass the result to tick()."""
+        # The job's files are its user's (the agent's own uid when it starts jobs as itself): a file of any
+        # other owner there (a hard link to root's file) is refused.
+        requests = []
+        for rec in self.records.values():
+            owner = job_user(rec).uid
+            channel = self._channels.get(rec.name)
+            discarding = bool(channel and channel.deploy == self._deploy_of(rec) and channel.discarding)
+            exited = rec.state == "running" and rec.pid is not None and not self.is_running(rec)
+            requests.append(ReadRequest(rec.name, self._deploy_of(rec), str(self.io_dir(rec)),
+                                        frozenset({owner}), EventCursor(rec.events_offset, discarding), rec.pid,
+                                        exited))
+        return requests
+
+    def tick(self, reads: dict[str, ChannelRead] | None = None) -> bool:
+        """Take what was read of each job (`reads`, from read_requests() + read_channels(); None: read now),
+        notice exits, restart crashed jobs. Returns True when cores changed hands (a job ended), so the caller
+        re-plans. A job whose process died after its files were read is handled at the next pass, when its
+        last status has been read."""
+        if reads is None:
+            reads = read_channels(self.read_requests())
+        for name in set(self._channels) - set(self.records):
+            del self._channels[name]
         changed = False
         for rec in list(self.records.values()):
-            self._read_status(rec)
-            self._forward_events(rec)
+            read = reads.get(rec.name)
+            if read is not None and read.request.deploy != self._deploy_of(rec):
+                read = None  # removed and deployed again since: that read was of the other deploy
+            if read is not None:
+                self._read_status(rec, read)
+                self._forward_events(rec, read)
             if rec.state != "running" or rec.pid is None:
                 continue
             if self.is_running(rec):
                 continue
+            if read is None or not read.request.exited:
+                continue  # it died after its files were read: its last status is read at the next pass
             changed |= self._handle_exit(rec)
         return changed
 
-    def _read_status(self, rec: InferenceRecord) -> None:
-        path = self.job_dir(rec.name) / STATUS_FILE
-        try:
-            status = JobStatus.load(path)
-        except (OSError, ValueError, TypeError):
+    def _channel(self, rec: InferenceRecord) -> JobChannel:
+        channel = self._channels.get(rec.name)
+        if channel is None or channel.deploy != self._deploy_of(rec):
+            channel = self._channels[rec.name] = JobChannel(deploy=self._deploy_of(rec))
+        return channel
+
+    def _read_status(self, rec: InferenceRecord, read: ChannelRead | None = None) -> None:
+        """Take the status read of the job (nothing is read here: the read phase of this pass did it)."""
+        if read is None:
+            return
+        if read.status.problem:
+            self._channel(rec).count({}, f"status.json: {read.status.problem}")
+        status = read.status.status
+        if status is None or read.request.pid != rec.pid:  # none, or of the process before a restart
             return
         self._status[rec.name] = status
         if (status.port and not rec.port) or (status.grpc_port and not rec.grpc_port):
@@ -647,23 +813,41 @@ class InferenceSupervisor:
             rec.grpc_port = rec.grpc_port or status.grpc_port
             self.save(rec)
 
-    def _forward_events(self, rec: InferenceRecord) -> None:
-        events, offset = read_events(self.job_dir(rec.name), rec.events_offset)
-        if offset == rec.events_offset:
-            return
-        rec.events_offset = offset
-        for event in events:
-            kind = str(event.get("kind", "job_event"))
-            data = {k: v for k, v in event.items() if k not in ("kind", "message", "ts")}
-            self.emit(kind, f"{rec.name}: {event.get('message', kind)}", job=rec.name, data=data)
-        self.save(rec)
+    def _forward_events(self, rec: InferenceRecord, read: ChannelRead) -> None:
+        """Forward the job's new events within its rate, as agent events of the kinds a job may emit; say once
+        a minute at most what was dropped."""
+        channel = self._channel(rec)
+        got = read.events
+        if got.problem:
+            channel.count({}, f"events.jsonl: {got.problem}")
+        if rec.events_offset == read.request.cursor.offset and got.cursor != read.request.cursor:
+            channel.count(got.rejected)
+            channel.discarding = got.cursor.discarding
+            rec.events_offset = got.cursor.offset
+            for event in channel.admit(got.events):
+                data = {k: v for k, v in event.data.items() if k != "job"}  # the agent says which job
+                self.emit(event.kind, f"{rec.name}: {event.message}", job=rec.name, data=data)
+            self.save(rec)
+        elif rec.events_offset != read.request.cursor.offset:  # the job started again meanwhile: a new cursor
+            channel.discarding = False
+        note = channel.note()
+        if note is not None:
+            dropped = ", ".join(f"{n} {why}" for why, n in sorted(note["dropped"].items()))
+            refused = ", ".join(f"{what} ({n}x)" for what, n in sorted(note["refused_files"].items()))
+            self.emit("job_events_dropped",
+                      f"{rec.name}: " + "; ".join(filter(None, (
+                          f"event lines dropped: {dropped}" if dropped else "",
+                          f"files refused: {refused}" if refused else ""))) +
+                      f"; a job may send its known event kinds only, in lines of at most {LIMITS.max_line_bytes} "
+                      f"bytes, {LIMITS.events_per_minute} a minute, from regular files of its own",
+                      job=rec.name, data=note)
 
     def _handle_exit(self, rec: InferenceRecord) -> bool:
         proc = self._procs.pop(rec.name, None)
         code = proc.poll() if proc is not None else None
         self._read_status(rec)  # the job writes its final state just before it exits
         status = self._status.get(rec.name)
-        log_path = self.job_dir(rec.name) / "job.log"
+        log_path = self.job_dir(rec) / job_files.LOG_FILE
         if status is not None and status.state == "done":  # exit 0 alone may be a SIGTERM mid-way
             rec.state, rec.pid, rec.instances = "done", None, []
             rec.message = "all inputs done"
@@ -679,7 +863,7 @@ class InferenceSupervisor:
         now = time.time()
         rec.restarts = [t for t in rec.restarts if now - t < self.restart_window_s]
         why = f"exit code {code}" if code is not None else "process gone"
-        tail = _tail(log_path)
+        tail = _tail(self.job_dir(rec), job_user(rec).uid)
         if len(rec.restarts) >= self.restart_limit:
             rec.state, rec.pid, rec.instances = "failed", None, []
             rec.message = (f"crashed {len(rec.restarts) + 1} times within {self.restart_window_s:.0f}s ({why}); "
@@ -705,8 +889,13 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def validate_request(req: dict[str, Any], default_backend: str) -> InferenceRecord:
-    """Turn an API request into a record; raises InvalidRequest naming the field and the fix."""
+def validate_request(req: dict[str, Any], default_backend: str,
+                     check: "DeployCheck | None" = None) -> InferenceRecord:
+    """Turn an API request into a record; raises InvalidRequest naming the field and the fix.
+
+    The model and its traffic (shapes, input_data) are opened and checked by `check`, a child process with
+    the rights and the memory limit of the job's user (default: this process's user); never in this
+    process. Call it without the agent's lock: the check may take as long as its timeout."""
     model = Path(req["model"])
     if not model.is_absolute():
         raise InvalidRequest(f"model path {req['model']!r} is relative; the agent cannot know your directory",
@@ -753,9 +942,10 @@ def validate_request(req: dict[str, Any], default_backend: str) -> InferenceReco
     if req.get("grpc_port") and req.get("grpc_port") == req.get("port"):
         raise InvalidRequest(f"grpc_port {req['grpc_port']} is also the REST port",
                              "give gRPC another port, or leave grpc_port out to get a free one")
-    shapes, input_data = _checked_traffic(req, model)
+    shapes, input_data = _checked_traffic(req)
     bind_address = _checked_bind_address(req.get("bind_address"), kind)
     precision = _checked_precision(req.get("precision"))
+    _checked_in_child(check, str(model), backend, shapes, input_data)
     return InferenceRecord(name=req["name"], model=str(model), kind=kind, backend=backend,
                            shapes=shapes, input_data=input_data, bind_address=bind_address,
                            slo_ms=req.get("slo_ms"), rate_rps=req.get("rate_rps"), port=req.get("port"),
@@ -776,10 +966,10 @@ def _checked_precision(asked: Any) -> str:
     return precision
 
 
-def _checked_traffic(req: dict[str, Any], model: Path) -> tuple[dict[str, list[int]], str | None]:
-    """The request's `shapes` and `input_data`, checked against the model's inputs (InvalidRequest names the
-    input and the fix)."""
-    from reamer.serve.samples import SampleError, SampleSpec, check_against_model, shapes_from_doc
+def _checked_traffic(req: dict[str, Any]) -> tuple[dict[str, list[int]], str | None]:
+    """The request's `shapes` and `input_data` as given (InvalidRequest names the field and the fix); the
+    deploy check (_checked_in_child) checks them against the model."""
+    from reamer.serve.samples import SampleError, SampleSpec, shapes_from_doc
 
     input_data = req.get("input_data")
     try:
@@ -791,10 +981,25 @@ def _checked_traffic(req: dict[str, Any], model: Path) -> tuple[dict[str, list[i
             if not Path(input_data).is_file():
                 raise InvalidRequest(f"input_data file {input_data} does not exist on this node",
                                      "give a .npz of named arrays or a perf_analyzer JSON input-data file")
-        check_against_model(model, SampleSpec(shapes=shapes, input_data=input_data))
+        SampleSpec(shapes=shapes, input_data=input_data)
     except SampleError as exc:
         raise InvalidRequest(exc.message, exc.fix) from None
     return {k: list(v) for k, v in shapes.items()}, input_data
+
+
+def _checked_in_child(check: "DeployCheck | None", model: str, backend: str, shapes: dict[str, list[int]],
+                      input_data: str | None) -> None:
+    """The deploy check: the model opened by `backend` (when it names one: "auto" leaves that to the search,
+    where only backends that ran the model can win; its graph is still read) and the traffic checked against
+    its inputs, in a child process as the job's user (reamer.serve.deploy_check). InvalidRequest says what
+    and the fix."""
+    from reamer.serve.backends import BACKENDS
+    from reamer.serve.deploy_check import DeployCheck, DeployRequest
+
+    answer = (check or DeployCheck()).run(DeployRequest(model, backend if backend in BACKENDS else None,
+                                                        shapes, input_data))
+    if answer.problem is not None:
+        raise InvalidRequest(answer.problem.message, answer.problem.fix)
 
 
 def _checked_bind_address(address: str | None, kind: str) -> str | None:

@@ -7,6 +7,9 @@ and are moved into the job's memory cgroup `<cgroup_name>/infer-<job>`, whose li
 `memory_limit_mb` or the config's `inference.memory_limit_mb` (none: unlimited). The kernel counts
 OOM kills per memory cgroup (its own limit or the host running out); a rise is an event
 `inference_oom_killed` and `infer show` says so.
+
+A removed job's cgroup goes with it: whatever is still in it is killed (empty()), then it is removed
+(forget()); one that cannot be removed yet (a process stuck in the kernel) is tried again at each pass.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from reamer.agent.training import job_process_trees
+from reamer.host.cgroup_kill import empty_cgroup
 from reamer.host.cgroups import CgroupDriver
 from reamer.host.errors import HostError
 from reamer.host.oom import oom_score_adj, set_oom_score_adj
@@ -24,6 +28,7 @@ log = logging.getLogger("reamer.memory")
 
 MEMORY = "memory"
 MIB = 1024 * 1024
+EMPTY_TIMEOUT_S = 10.0  # how long a removal waits for killed processes to leave the job's cgroup
 
 
 @dataclass
@@ -48,6 +53,7 @@ class InferenceMemoryGuard:
         # the pids each job's were last brought to: their children inherit both the oom_score_adj and the
         # cgroup, so an unchanged set needs no per-pid reads on the next pass
         self._settled: dict[str, frozenset[int]] = {}
+        self._left: set[str] = set()  # removed jobs whose cgroup could not be removed yet
         self.message = ""  # why memory cgroups are unavailable ("" when they work)
         self.available = self._probe()
 
@@ -89,6 +95,8 @@ class InferenceMemoryGuard:
                 self._settled[rec.name] = frozenset(pids)
             if self.available and rec.name in self.jobs:
                 self._check_oom(rec.name)
+        if self._left:
+            self._remove_left()
 
     def _prefer_as_victims(self, pids: list[int]) -> None:
         for pid in pids:
@@ -104,6 +112,7 @@ class InferenceMemoryGuard:
         path = self.cgroup_path(rec.name)
         job = self.jobs.get(rec.name)
         limit = self.limit_of(rec)
+        self._left.discard(rec.name)  # deployed again under the same name: its cgroup is in use again
         if job is None or not self._exists(path):
             self.driver.create(path, controllers=(MEMORY,))
             job = self.jobs.setdefault(rec.name, JobMemory(limit_mb=-1.0))
@@ -144,15 +153,37 @@ class InferenceMemoryGuard:
         limit = f" (memory limit {job.limit_mb:g} MiB)" if job.limit_mb else ""
         return f"killed by the OOM killer {job.oom_kills} time(s){limit}"
 
+    def empty(self, name: str, timeout: float = EMPTY_TIMEOUT_S) -> bool:
+        """Kill whatever of a removed job is still in its memory cgroup (workers its main process left
+        behind, a hung process); True once none is left. Call without the agent's lock: it waits."""
+        if not self.available:
+            return True
+        return empty_cgroup(self.driver, self.cgroup_path(name), timeout)
+
     def forget(self, name: str) -> None:
-        """Remove the job's memory cgroup once its processes are gone."""
+        """Remove a removed job's memory cgroup (after empty()); if it cannot go yet, every pass retries."""
         self.jobs.pop(name, None)
         self._settled.pop(name, None)
         if not self.available:
             return
+        if not self._remove(name):
+            self._left.add(name)
+
+    def _remove(self, name: str) -> bool:
         path = self.cgroup_path(name)
         try:
-            if self._exists(path) and not self.driver.processes(path, MEMORY):
-                self.driver.remove(path)
-        except HostError as exc:
+            if not self._exists(path):
+                return True
+            if self.driver.processes(path, MEMORY):
+                empty_cgroup(self.driver, path, timeout=0)  # one more round of kills; removed at a later pass
+                return False
+            self.driver.remove(path)
+            return True
+        except (HostError, OSError) as exc:
             log.warning("could not remove %s: %s", path, exc)
+            return False
+
+    def _remove_left(self) -> None:
+        for name in sorted(self._left):
+            if name in self.jobs or self._remove(name):
+                self._left.discard(name)

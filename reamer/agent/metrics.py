@@ -1,6 +1,7 @@
 """Prometheus metrics of the agent: one registry, values read from the agent at scrape time."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -10,6 +11,18 @@ if TYPE_CHECKING:
     from reamer.agent.service import Agent
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _number(value: object) -> float | None:
+    """A finite float of a job's reported value, else None (a job's status is its user's to write; the agent
+    checks it on reading, this keeps a scrape from failing whatever got through)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 class AgentCollector:
@@ -45,15 +58,19 @@ class AgentCollector:
             states.add_metric([name, state], 1)
             if status is None:
                 continue
-            rate.add_metric([name], status.rate_rps or 0.0)
-            if status.p99_ms is not None:
-                p99.add_metric([name], status.p99_ms)
-            if status.slo_attainment is not None:
-                attain.add_metric([name], status.slo_attainment)
-            done.add_metric([name], status.done or 0)
-            if status.frontdoor_busy is not None:
-                door.add_metric([name], status.frontdoor_busy)
+            rate.add_metric([name], _number(status.rate_rps) or 0.0)
+            for family, value in ((p99, status.p99_ms), (attain, status.slo_attainment),
+                                  (door, status.frontdoor_busy)):
+                if _number(value) is not None:
+                    family.add_metric([name], _number(value))
+            done.add_metric([name], _number(status.done) or 0)
         yield from (states, rate, p99, attain, done, door)
+        count, size = self.agent.store.event_totals()
+        kept = GaugeMetricFamily("reamer_event_log_events", "Events kept in the agent's event log (events.max_count)")
+        kept.add_metric([], count)
+        held = GaugeMetricFamily("reamer_event_log_bytes", "Bytes of the kept events (events.max_mb)")
+        held.add_metric([], size)
+        yield from (kept, held)
 
 
 class AgentMetrics:

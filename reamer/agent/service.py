@@ -6,6 +6,7 @@ before it is applied, so a restarted agent re-attaches to what it had promised.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -25,21 +26,26 @@ from reamer.agent.inference import (InferenceRecord, InferenceSupervisor, Layout
 from reamer.agent.memory_guard import InferenceMemoryGuard
 from reamer.agent.policy import (AGENT, Caller, SecurityRules, check_cgroup, check_job_owner, check_priority,
                                  check_processes)
-from reamer.agent.store import Store
-from reamer.agent.training import Placement, PinState, RtThrottlingDisabled, TrainingPinner, job_processes
+from reamer.agent.scheduler_api import Capacity, CapacityTracker, admit_training
+from reamer.agent.slurm_jobs import SOURCE as SLURM_SOURCE, SlurmTraining
+from reamer.agent.store import Retention, Store
+from reamer.agent.training import (Placement, PinState, ProcessGate, RtThrottlingDisabled, TrainingPinner,
+                                   job_processes)
 from reamer.host.cgroups import CgroupDriver, detect_driver
 from reamer.host.access import Identity, can_access, identity_named, identity_of
 from reamer.host.errors import HostError, ReamerError
-from reamer.host.identity import pid_max, process_facts
+from reamer.host.identity import ProcessFacts, pid_max, process_facts
 from reamer.host.sched import rt_throttling
 from reamer.host.topology import Topology, read_topology
 from reamer.plan.coretable import AllocationError, CoreTable
-from reamer.serve.backends import BACKENDS
-from reamer.serve.model_check import load_problem
+from reamer.serve.job_channel import read_channels
+from reamer.serve.deploy_check import DeployCheck
+from reamer.serve.model_types import CUSTOM_OP_LIBRARIES_ENV
 
 log = logging.getLogger("reamer.agent")
 
 HEALTHY_RECONCILE_AGE_S = 15.0
+MIN_CHECK_MEMORY_MB = 512.0  # the least a deploy check gets (Python, onnx and a runtime opening a model)
 
 
 class Agent:
@@ -62,26 +68,38 @@ class Agent:
         self.topology = topology or read_topology()
         self.driver = driver or detect_driver(config.cgroup_root, proc_root)
         self.cores = CoreTable(self.topology, set(config.reserved_cpus))
-        self.store = Store(config.store_path)
+        self.store = Store(config.store_path, Retention(config.events.max_count, int(config.events.max_mb * 2**20),
+                                                        config.events.max_per_job),
+                           reserve_bytes=int(config.events.disk_reserve_mb * 2**20))
         self.events = EventLog(self.store)
-        self.pinner = TrainingPinner(self.driver, config.cgroup_name, config.training.rt_runtime_us, proc_root)
+        self.pinner = TrainingPinner(self.driver, config.cgroup_name, config.training.rt_runtime_us, proc_root,
+                                     user_rt_percent=config.training.user_rt_percent)
         self.supervisor = InferenceSupervisor(
             config.run_dir, config.reserved_cpus, offline_sched=config.inference.offline_sched,
             max_request_mb=config.inference.max_request_mb, emit=self.events.emit, save=self._save_inference, restart_limit=config.inference.restart_limit,
             restart_window_s=config.inference.restart_window_s)
         self.supervisor.frontdoor = config.inference.frontdoor.model_dump()
+        if config.inference.custom_op_libraries:  # inherited by jobs, deploy checks and searches (backends.py)
+            os.environ[CUSTOM_OP_LIBRARIES_ENV] = os.pathsep.join(config.inference.custom_op_libraries)
         self.supervisor.bind_address = config.inference.bind_address
         self.supervisor.job_log_mb = config.inference.job_log_mb
         self.memory = InferenceMemoryGuard(self.driver, config.cgroup_name, config.inference.oom_score_adj,
                                            config.inference.memory_limit_mb, self.events.emit, proc_root)
         profile_dir = config.inference.profile_dir or str(Path(config.state_dir) / "profiles")
+        self.profile_dir = profile_dir
         self.choose_layout: LayoutChooser = layout_chooser or load_chooser(config.inference.layout_chooser, profile_dir, config.inference)
+        if not config.reserved_cpus and hasattr(self.choose_layout, "frontdoor_cpu_ms"):
+            from reamer.plan.frontdoor import DEFAULT_FRONTDOOR_CPU_MS  # front doors share cores: count their cpu
+
+            self.choose_layout.frontdoor_cpu_ms = DEFAULT_FRONTDOOR_CPU_MS
         self.gpu = gpu_manager
         self.gpu_message = ""
         self.training: dict[str, dict[str, Any]] = {}
         self._pin_state: dict[str, PinState] = {}
         self.rt_disabled = False
         self._conflicts: dict[str, str] = {}  # training job -> another manager's cpuset change, as reported
+        self.slurm = SlurmTraining(self)  # training jobs a Slurm Prolog handed over (followed step by step)
+        self.capacity_tracker = CapacityTracker()  # spare capacity for schedulers (GET /v1/capacity)
 
     # ------------------------------------------------------------------------------- lifecycle
 
@@ -124,6 +142,11 @@ class Agent:
 
     def _restore(self) -> None:
         for name, doc in self.store.jobs("training").items():
+            if doc.get("source") == SLURM_SOURCE:  # followed again from the next pass on
+                if doc["cpus"]:
+                    self.cores.restore(name, doc["cpus"])
+                self.training[name] = doc
+                continue
             self._restore_pinning(name, doc)
             if doc.get("state") == "attaching":  # the agent died mid-attach: undo it from its record
                 self._undo_unfinished_attach(name, doc)
@@ -207,13 +230,24 @@ class Agent:
     def reconcile(self) -> None:
         started = time.monotonic()
         with self._lock:
+            requests = self.supervisor.read_requests()
+        # What jobs wrote (status, events) is read outside the lock: those files are their users' to make a
+        # FIFO, a flood or anything else of, and the API must answer meanwhile (serve.job_channel).
+        reads = read_channels(requests)
+        slurm_jobs = self.slurm.observe_all()  # scontrol and /proc, outside the lock too
+        with self._lock:
             self._check_rt_throttling()
             ended = self._reconcile_training()
             for name in ended:
                 self._end_training(name, "all its processes exited")
-            self.supervisor.tick()
+            for name in self.slurm.apply(slurm_jobs):
+                self._end_training(name, "the Slurm job ended on this node")
+            for name in self.slurm.ended_inference(slurm_jobs):  # removed as a caller would, outside this pass
+                threading.Thread(target=self._remove_ended_inference, args=(name,), daemon=True).start()
+            self.supervisor.tick(reads)
             self._replan()
             self.memory.apply(self.supervisor.records.values())
+            self._report_capacity()
         # The GPU manager is thread-safe and its tick runs MPS control commands (up to
         # gpu.command_timeout_s each): outside the agent lock, so a slow MPS daemon never stalls the API.
         # Paced by gpu.sample_interval_s, not by the (usually faster) reconcile interval.
@@ -243,17 +277,21 @@ class Agent:
     def _reconcile_training(self) -> list[str]:
         ended = []
         for name, doc in list(self.training.items()):
-            if doc.get("state") != "running":
+            if doc.get("state") != "running" or doc.get("source") == SLURM_SOURCE:
                 continue
+            placement = self.pinner.placements.get(name)
+            owner_uid = int(doc.get("owner_uid", 0))
+            if placement is not None and placement.owner_uid != owner_uid:  # a record from before owners were kept
+                placement.owner_uid, placement.privileged = owner_uid, owner_uid == 0
             try:
                 state = self.pinner.reconcile(name, doc["cpus"], doc["priority"],
-                                              make_rr=not (self.rt_disabled or doc.get("demoted")),
-                                              owner_uid=doc.get("owner_uid", 0))
+                                              make_rr=not (self.rt_disabled or doc.get("demoted")))
             except HostError as exc:
                 log.warning("reconcile of training job %s failed: %s", name, exc)
                 continue
             self._pin_state[name] = state
             self._note_conflict(name, doc, state.conflict)
+            self._note_refused(name, state)
             if not state.alive:
                 ended.append(name)
             elif state.fixed:
@@ -261,6 +299,13 @@ class Agent:
                                  f"{name}: made {state.fixed} new thread(s) SCHED_RR", job=name,
                                  data={"fixed": state.fixed})
         return ended
+
+    def _note_refused(self, name: str, state: PinState) -> None:
+        """One event per thread of a job that the policy refused RT (once per thread, not per pass)."""
+        for reason in state.refused:
+            self.events.emit("training_thread_refused", f"{name}: {reason}"
+                             + (" (it was RT: demoted to SCHED_OTHER)" if state.demoted else ""), job=name,
+                             data={"demoted": state.demoted})
 
     def _note_conflict(self, name: str, doc: dict[str, Any], conflict: str) -> None:
         """Report another manager's cpuset once per change it makes (reamer does not fight it)."""
@@ -283,6 +328,10 @@ class Agent:
     def _check_pids(self, pids: list[int], caller: Caller) -> list[int]:
         """Sorted distinct pids, each in range and running, and every one of them and of their
         descendants a process the caller may touch (policy)."""
+        return self._checked_pids(pids, caller)[0]
+
+    def _checked_pids(self, pids: list[int], caller: Caller) -> tuple[list[int], list[ProcessFacts]]:
+        """_check_pids, and the facts checked (each process's identity: pid and start time)."""
         limit = pid_max(self.proc_root)
         pids = sorted(set(int(p) for p in pids))
         for pid in pids:
@@ -291,18 +340,22 @@ class Agent:
             if not psutil.pid_exists(pid):
                 raise InvalidRequest(f"process {pid} does not exist",
                                      "give the pids of running processes (see `ps -ef`)")
-        self._check_processes(pids, caller)
-        return pids
+        return pids, self._check_processes(pids, caller)
 
-    def _check_processes(self, pids: list[int], caller: Caller) -> None:
+    def _check_processes(self, pids: list[int], caller: Caller) -> list[ProcessFacts]:
+        """The policy's verdict on the processes and all their descendants; returns what it checked (the
+        identities every later step compares with)."""
         facts = [process_facts(p, self.proc_root) for p in job_processes(pids) or pids]
         check_processes(caller, facts, os.getpid(), self.rules)
+        return [f for f in facts if not f.gone]
 
-    def _resolve_pids(self, req: dict[str, Any], caller: Caller) -> tuple[list[int], str, str, int | None]:
-        """(pids, source, source reference, cores the source asks for); the policy has seen every process."""
+    def _resolve_pids(self, req: dict[str, Any],
+                      caller: Caller) -> tuple[list[int], str, str, int | None, list[ProcessFacts]]:
+        """(pids, source, source reference, cores the source asks for, the facts checked); the policy has
+        seen every process."""
         if req.get("pids"):
-            pids = self._check_pids(req["pids"], caller)
-            return pids, "pids", ",".join(map(str, pids)), None
+            pids, checked = self._checked_pids(req["pids"], caller)
+            return pids, "pids", ",".join(map(str, pids)), None, checked
         if req.get("cgroup"):
             path = check_cgroup(caller, req["cgroup"], self.rules)
             pids = []
@@ -317,36 +370,55 @@ class Agent:
                 raise InvalidRequest(f"cgroup {req['cgroup']!r} has no processes (or does not exist)",
                                      "give the cgroup path of the running training job, relative to the "
                                      f"hierarchy root {self.config.cgroup_root}")
-            self._check_processes(pids, caller)
-            return pids, "cgroup", path, None
+            checked = self._check_processes(pids, caller)
+            return pids, "cgroup", path, None, checked
         from reamer.host.container import resolve_container
 
         info = resolve_container(req["container"], proc_root=self.proc_root, cgroup_root=self.config.cgroup_root,
                                  driver=self.driver)
-        self._check_processes(info.pids, caller)
-        return info.pids, "container", info.id, info.cpus_wanted
+        checked = self._check_processes(info.pids, caller)
+        return info.pids, "container", info.id, info.cpus_wanted, checked
 
     def attach_training(self, req: dict[str, Any], caller: Caller = AGENT) -> dict[str, Any]:
-        name = req["name"]
+        if req.get("slurm_job") is not None:
+            return self.slurm.attach(req, caller)
+        with contextlib.ExitStack() as held:  # the checked processes' pidfds, until the attach is over
+            return self._attach_training(req, caller, held)
+
+    def training_priority(self, req: dict[str, Any], caller: Caller) -> int:
+        """The priority a new training job asks for (or the config's), within the caller's cap."""
         priority = req.get("priority") or self.config.training.priority
         check_priority(caller, priority, self.rules)
+        return priority
+
+    def check_new_training(self, name: str) -> None:
+        """Under the lock: a new training job `name` may be attached now."""
+        if name in self.training:
+            raise Conflict(f"training job {name!r} is already attached", "detach it first, or use another name")
+        if self.rt_disabled:
+            raise RtThrottlingDisabled()
+
+    def _attach_training(self, req: dict[str, Any], caller: Caller, held: contextlib.ExitStack) -> dict[str, Any]:
+        name = req["name"]
+        priority = self.training_priority(req, caller)
         with self._lock:
-            if name in self.training:
-                raise Conflict(f"training job {name!r} is already attached", "detach it first, or use another name")
-            if self.rt_disabled:
-                raise RtThrottlingDisabled()
-            pids, source, ref, wanted = self._resolve_pids(req, caller)
+            self.check_new_training(name)
+            pids, source, ref, wanted, checked = self._resolve_pids(req, caller)
+            gate = held.enter_context(ProcessGate(caller, checked, os.getpid(), self.proc_root))
             taken = {p for doc in self.training.values() for p in self._pin_state.get(doc["name"], PinState()).pids}
             if taken & set(pids):
                 raise Conflict(f"process(es) {sorted(taken & set(pids))} already belong to another training job",
                                "detach that job first")
             self.pinner.check_rt_possible()
             placement = self.pinner.place(name, source, pids, ref)
+            placement.owner_uid, placement.privileged = caller.uid, caller.is_admin
+            self.pinner.check_budget(name, placement)  # before inference leaves the cores for it
             cores = req.get("cores") or wanted or 1
             cpus = list(self.cores.allocate(name, cores))
             doc = {"name": name, "pids": pids, "cpus": cpus, "priority": priority, "source": source,
                    "source_ref": ref, "state": "attaching", "created_at": time.time(),
-                   "placement": placement.to_doc(), "changes": [], "demoted": False, "owner_uid": caller.uid}
+                   "placement": placement.to_doc(), "changes": [], "demoted": False, "owner_uid": caller.uid,
+                   "owner_admin": caller.is_admin}
             try:
                 self.store.put_job("training", name, doc)
             except ReamerError:
@@ -355,19 +427,21 @@ class Agent:
             self.training[name] = doc
             before = {n: r.pid for n, r in self.supervisor.records.items()}
             changes = self._replan()
-        # Inference leaves the cores before training is pinned there.
+        # Inference leaves the cores before training is pinned there. The processes may change meanwhile:
+        # the pinner re-checks each one (identity, then policy) right before it is pinned.
         if not self.supervisor.wait_left(changes, before):
             log.warning("some inference processes had not left cpus %s in time; pinning training anyway", cpus)
         with self._lock:
             try:
                 state = self.pinner.attach(name, placement, pids, cpus, priority,
-                                           self.pinner.new_log(name, self._save_changes(doc)))
+                                           self.pinner.new_log(name, self._save_changes(doc)), gate=gate)
             except BaseException:
                 self._rollback_attach(name)
                 raise
             doc.update(state="running")
             self.store.put_job("training", name, doc)
             self._pin_state[name] = state
+            self._note_refused(name, state)
             self.events.emit("training_attached",
                              f"{name}: cpus {cpus}, {state.threads_rr} thread(s) SCHED_RR at priority {priority}",
                              job=name, data={"cpus": cpus, "pids": state.pids, "priority": priority})
@@ -388,7 +462,10 @@ class Agent:
             if doc.get("state") == "attaching":
                 raise Conflict(f"training job {name!r} is still being attached", "retry in a few seconds")
             view = self._training_view(name)
-            demoted = self.pinner.detach(name)  # undoes its record step by step: a crash meanwhile resumes it
+            if doc.get("source") == SLURM_SOURCE:
+                demoted = self.slurm.detach(name)
+            else:
+                demoted = self.pinner.detach(name)  # undoes its record step by step: a crash meanwhile resumes it
             self.store.delete_job("training", name)
             self.training.pop(name)
             self._conflicts.pop(name, None)
@@ -401,6 +478,8 @@ class Agent:
         return view
 
     def _end_training(self, name: str, reason: str) -> None:
+        if self.training[name].get("source") == SLURM_SOURCE:
+            self.slurm.end(name)
         doc = self.training.pop(name)
         try:
             self.pinner.forget(name)
@@ -429,10 +508,15 @@ class Agent:
             message = "demoted by demote-all: detach and attach again to restore SCHED_RR"
         if self._conflicts.get(name):
             message = (message + "; " if message else "") + "conflict: " + self._conflicts[name]
-        return {"name": name, "cpus": list(doc["cpus"]), "pids": state.pids if state else list(doc["pids"]),
+        view = {"name": name, "cpus": list(doc["cpus"]), "pids": state.pids if state else list(doc["pids"]),
                 "threads_rr": state.threads_rr if state else 0, "threads": state.threads if state else 0,
                 "priority": doc["priority"], "source": doc["source"], "state": "running",
                 "created_at": doc["created_at"], "message": message, "owner_uid": doc.get("owner_uid", 0)}
+        if doc["source"] == SLURM_SOURCE:
+            slurm = self.slurm.view(doc)
+            slurm["message"] = "; ".join(m for m in (message, slurm["message"]) if m)
+            view.update(slurm)
+        return view
 
     def list_training(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -458,7 +542,9 @@ class Agent:
             if caller.is_root:
                 demoted = self.pinner.demote_all()
             else:
-                demoted = sum(self.pinner.demote(name) for name in jobs)
+                demoted = sum(self.pinner.demote(name) for name in jobs
+                              if self.training.get(name, {}).get("source") != SLURM_SOURCE)
+            demoted += self.slurm.demote_all(jobs)
             self.events.emit("demoted_all", f"demoted {demoted} thread(s) to SCHED_OTHER (by uid {caller.uid})",
                              data={"jobs": jobs, "uid": caller.uid})
         return {"threads_demoted": demoted, "jobs": jobs,
@@ -483,9 +569,15 @@ class Agent:
 
     def _check_paths_as(self, runner: Identity, req: dict[str, Any]) -> None:
         """Every file the job will open, checked with the rights of the user it runs as. A path that user
-        cannot reach gets the same answer as one that does not exist (the agent tells no secrets)."""
-        for key, kind, verb in (("model", "file", "read"), ("input_data", "file", "read"),
-                                ("input_dir", "dir", "list"), ("output_dir", "output_dir", "create and write")):
+        cannot reach gets the same answer as one that does not exist (the agent tells no secrets).
+
+        A missing output_dir is made here by that user (the job makes it too, at its start); for a job that
+        runs as root nothing is made before the job starts: the check only asks whether it could be."""
+        checks = (("model", "file", "read"), ("input_data", "file", "read"), ("input_dir", "dir", "list"),
+                  ("output_dir", "output_dir", "create and write"))
+        if runner.is_root:  # root reads everything: only whether output_dir can be made is a question
+            checks = (("output_dir", "output_parent", "create"),)
+        for key, kind, verb in checks:
             path = req.get(key)
             if not isinstance(path, str) or not os.path.isabs(path):
                 continue  # absent, or relative: validate_request names that problem
@@ -498,30 +590,30 @@ class Agent:
         name = req["name"]
         self._check_layout_size(req.get("layout"))
         runner = self._job_identity(caller)
-        if not runner.is_root:
-            self._check_paths_as(runner, req)  # outside the lock: it runs a command per path
+        self._check_paths_as(runner, req)  # outside the lock: it runs a command per path
         with self._lock:
             if name in self.supervisor.records:
                 raise Conflict(f"inference job {name!r} already exists", "remove it first, or use another name")
-            rec = validate_request(req, self.config.inference.default_backend)
-            rec.owner_uid = caller.uid
-            rec.memory_limit_mb = req.get("memory_limit_mb")
-            rec.run_uid, rec.run_gid = runner.uid, runner.gid
-            cpus = self._online_free_cpus()
-        # a backend that cannot open the model is refused now, with the runtime's reason (outside the lock:
-        # the model is opened in a child process); "auto" leaves it to the search, where only backends that
-        # ran the model can win
-        refused = load_problem(rec.backend, rec.model) if rec.backend in BACKENDS else None
-        if refused is not None:
-            raise InvalidRequest(refused.message, refused.fix)
-        if rec.kind == "offline":  # made only once the job is accepted (a job user's own check may have made it)
-            try:
-                Path(rec.output_dir).mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise InvalidRequest(f"output_dir {rec.output_dir} cannot be created: {exc.strerror}",
-                                     "give a writable directory for the results") from None
+        # The model and input_data are the user's files: a child process running as the job's user, within the
+        # job's memory limit, opens and checks them (and a backend that cannot open the model is refused now,
+        # with the runtime's reason). Without the lock: every other caller is answered meanwhile.
+        check = self._deploy_check(runner, req.get("memory_limit_mb"))
+        rec = validate_request(req, self.config.inference.default_backend, check)
+        rec.owner_uid = caller.uid
+        rec.memory_limit_mb = req.get("memory_limit_mb")
+        rec.run_uid, rec.run_gid = runner.uid, runner.gid
+        if req.get("slurm_job") is not None:
+            self.slurm.scope_inference(rec, int(req["slurm_job"]), caller)
+        # output_dir is made by the job itself, as its user, when it starts (and by the user's own access
+        # check above): the agent never creates it, so no link can aim root's mkdir anywhere.
         if rec.kind == "online" and rec.layout is None:
-            apply_choice(rec, choose_for(self.choose_layout, rec, cpus), cpus)
+            with self._lock:
+                cpus = [c for c in self._online_free_cpus() if not rec.allowed_cpus or c in rec.allowed_cpus]
+            from reamer.serve.profiler import workers_run_as
+
+            # the search runs the user's model and traffic: its workers too are the job user's processes
+            with workers_run_as(check.runner, check.memory_mb):
+                apply_choice(rec, choose_for(self.choose_layout, rec, cpus), cpus)
             if rec.layout is None:  # no search possible: one instance over all free cores
                 rec.cores = max(1, len(cpus))
         with self._lock:
@@ -538,6 +630,21 @@ class Agent:
             self._replan()
             self.memory.apply([rec])  # at once: the job's workers inherit its oom_score_adj and cgroup
             return self._inference_view(rec)
+
+    def _deploy_check(self, runner: Identity, job_memory_mb: Any) -> DeployCheck:
+        """The deploy check of a job that runs as `runner`: as that user, within the job's memory limit."""
+        inference = self.config.inference
+        if isinstance(job_memory_mb, (int, float)) and not isinstance(job_memory_mb, bool) and job_memory_mb > 0:
+            memory_mb, source = float(job_memory_mb), "the job's memory_limit_mb"
+        elif inference.memory_limit_mb:
+            memory_mb, source = float(inference.memory_limit_mb), "inference.memory_limit_mb"
+        else:
+            memory_mb, source = float(inference.check_memory_mb), "inference.check_memory_mb"
+        if memory_mb < MIN_CHECK_MEMORY_MB:  # too little for Python and a runtime to open any model: the
+            # job's own cgroup limit still holds the job to it once it runs (and OOM-kills it there)
+            memory_mb, source = MIN_CHECK_MEMORY_MB, f"the deploy check's floor ({source} is lower)"
+        return DeployCheck(runner=runner, memory_mb=memory_mb, timeout_s=inference.check_timeout_s,
+                           memory_source=source)
 
     def _check_layout_size(self, layout: str | None) -> None:
         """A layout may ask for at most the node's CPUs outside the reserved ones (checked while parsing,
@@ -563,12 +670,22 @@ class Agent:
             pid = self.supervisor.remove(name)
             self.events.emit("inference_removed", f"{name} removed", job=name)
         self.supervisor.wait_stopped(name, pid)
+        self.memory.empty(name)  # whatever of it is left (workers, a hung process): killed, outside the lock
         with self._lock:
             self.supervisor.forget_process(name)
             self.memory.forget(name)
             self._replan()
+        self.supervisor.remove_files(rec)  # its directory, now that nothing of it runs
         view.update(state="done", message="removed")
         return view
+
+    def _remove_ended_inference(self, name: str) -> None:
+        self.events.emit("inference_slurm_job_ended", f"{name}: the Slurm job that placed it ended; removing it",
+                         job=name)
+        try:
+            self.remove_inference(name)
+        except NotFound:
+            pass  # removed meanwhile
 
     def _inference_rec(self, name: str) -> InferenceRecord:
         rec = self.supervisor.records.get(name)
@@ -579,7 +696,7 @@ class Agent:
     def _inference_view(self, rec: InferenceRecord) -> dict[str, Any]:
         status = self.supervisor.status_of(rec.name)
         fields = ("rate_rps", "p50_ms", "p99_ms", "slo_attainment", "done", "total", "throughput", "eta_s",
-                  "frontdoor_busy", "frontdoor_cpu_ms")
+                  "frontdoor_busy", "frontdoor_cpu_ms", "batchable", "batchable_reason")
         status_doc = {k: getattr(status, k) for k in fields} if status is not None else {}
         message = rec.message or (status.message if status is not None else "")
         oom = self.memory.oom_note(rec.name)
@@ -596,7 +713,11 @@ class Agent:
                 "bind_address": (rec.bind_address or self.supervisor.bind_address) if rec.kind == "online" else None,
                 "url": self.supervisor.url(rec), "grpc_target": self.supervisor.grpc_target(rec),
                 "shapes": rec.shapes, "input_data": rec.input_data, "precision": rec.precision,
-                "effective_precision": status.precision if status is not None else None}
+                "slurm_job": rec.slurm_job, "allowed_cpus": rec.allowed_cpus,
+                "effective_precision": status.precision if status is not None else None,
+                # online: the running process reports every instance ready, its front doors serving
+                "ready": bool(rec.kind == "online" and rec.state == "running" and status is not None
+                              and status.pid == rec.pid and status.state == "ready")}
 
     def list_inference(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -607,6 +728,51 @@ class Agent:
             return self._inference_view(self._inference_rec(name))
 
     # ------------------------------------------------------------------------------- node, events, gpu
+
+    def capacity(self) -> dict[str, Any]:
+        with self._lock:
+            return self._capacity()[0].to_doc()
+
+    def _capacity(self) -> tuple[Capacity, bool]:
+        online = {c for r in self.supervisor.records.values() if r.kind == "online" and r.state == "running"
+                  for i in r.instances for c in i["cpus"]}
+        return self.capacity_tracker.compute(self.cores, online)
+
+    def _report_capacity(self) -> None:
+        """Once a pass: a `capacity_changed` event whenever spare cores or batch capacity changed."""
+        self.capacity_tracker.sample()
+        capacity, changed = self._capacity()
+        if changed:
+            self.events.emit("capacity_changed", f"spare cores {capacity.spare_cores}, batch capacity "
+                             f"{capacity.offline_capacity_cores:.1f} core(s)", data=capacity.to_doc())
+
+    def admit_training_dry(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Could this node take a training job of `cores` (inside `allocated_cpus`)? Nothing changes."""
+        with self._lock:
+            return admit_training(self.cores, self.supervisor, int(req["cores"]), req.get("allocated_cpus")).to_doc()
+
+    def admit_inference_dry(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Could this node serve `rate_rps` of `model` within `slo_ms` on its free cores, and with which layout?
+        Answered from cached profiles (`reamer search MODEL` fills them); nothing is measured or changed."""
+        from reamer.agent.inference import InferenceRecord, LayoutChoice, ProfileCacheChooser
+
+        with self._lock:
+            cpus = self._online_free_cpus()
+        rec = InferenceRecord(name="\0dry-run", model=req["model"], kind="online",
+                              backend=req.get("backend") or self.config.inference.default_backend,
+                              slo_ms=req["slo_ms"], rate_rps=req.get("rate_rps"), max_batch=req.get("max_batch"),
+                              shapes=req.get("shapes") or {})
+        chooser = self.choose_layout
+        if isinstance(chooser, ProfileCacheChooser):
+            chooser = ProfileCacheChooser(chooser.profile_dir, search=None, margin=chooser.margin)
+        choice = choose_for(chooser, rec, cpus) if cpus else LayoutChoice(None, False, 0.0, "no free cores")
+        if choice is None:
+            return {"admit": None, "achievable_rps": None, "layout": None, "cores_free": len(cpus),
+                    "reason": f"no cached profile of {rec.model} covers the {len(cpus)} free core(s); run "
+                              "`reamer search MODEL --cores N` on this node first"}
+        return {"admit": bool(choice.accepted and choice.layout is not None) if rec.rate_rps else choice.accepted,
+                "achievable_rps": choice.achievable_rps, "layout": choice.layout, "cores_free": len(cpus),
+                "reason": choice.reason}
 
     def node_info(self) -> dict[str, Any]:
         with self._lock:
@@ -627,8 +793,30 @@ class Agent:
                 "cgroup_version": self.driver.version,
                 "rt_throttling": {"runtime_us": runtime, "period_us": period},
                 "training_jobs": len(self.training), "inference_jobs": len(self.supervisor.records),
-                "gpus": gpus, "offline_sched": self.config.inference.offline_sched,
+                "gpus": gpus, "offline_sched": self.config.inference.offline_sched, "profile_dir": self.profile_dir,
+                "rt_budget": self._rt_budget_info(),
             }
+
+    def _rt_budget_info(self) -> dict[str, Any]:
+        """The RT budget rule and who holds what (cgroup v1 with RT group scheduling only; elsewhere no
+        training job needs a budget)."""
+        pools = self.pinner.pools
+        budgets = self.pinner.budgets()
+        holders = []
+        for holder in self.pinner.budget_holders():
+            cpu_path = self.pinner.placements[holder.job].cpu_path
+            try:
+                held = self.driver.get_rt_runtime(cpu_path) or 0
+            except HostError:
+                held = 0
+            holders.append({"job": holder.job, "owner_uid": holder.uid, "pool": pools.pool_of(holder),
+                            "budget_us": budgets.get(holder.job, 0), "held_us": held, "cpu_cgroup": cpu_path})
+        return {"enabled": self.pinner.rt_budgets, "cap_us": pools.cap_us, "user_percent": pools.user_percent,
+                "privileged_pool_us": pools.privileged_pool_us, "user_pool_us": pools.user_pool_us,
+                "jobs": holders,
+                "rule": "users' jobs together hold at most user_percent of the cap (split among the users, then "
+                        "each user's jobs); root's and admins' jobs share the rest: a user's attach never shrinks "
+                        "theirs"}
 
     def events_since(self, since: int, wait_s: float = 0.0) -> tuple[list[Event], int]:
         events = self.events.wait(since, wait_s) if wait_s > 0 else self.events.since(since)
@@ -682,10 +870,11 @@ class Agent:
         """Register a GPU job; returns its view with `env` (the launch environment: MPS pipe directory,
         active-thread percentage, pinned-memory limit, CUDA_VISIBLE_DEVICES=<uuid>). Its pids (which
         eviction and fault handling may signal) must be running processes the caller may touch."""
-        pids = self._check_pids(req["pids"], caller) if req.get("pids") else None
+        pids, checked = self._checked_pids(req["pids"], caller) if req.get("pids") else (None, [])
         manager = self._gpu_manager()
         return manager.register_job(req["name"], _gpu_ref(req["gpu"]), req["sm_percent"], req.get("mem_limit_mb"),
-                                    kind=req.get("kind", "training"), pids=pids, owner_uid=caller.uid)
+                                    kind=req.get("kind", "training"), pids=pids, owner_uid=caller.uid,
+                                    pid_starts=_starts_of(checked))
 
     def _owned_gpu_job(self, name: str, caller: Caller) -> Any:
         check_job_owner(caller, "GPU", name, int(self.gpu_job(name).get("owner_uid", 0)))
@@ -695,9 +884,10 @@ class Agent:
         """Change a job's desired limits and/or pids; limits reach it when it restarts with the returned
         `env` (until then the view says pending_restart)."""
         manager = self._owned_gpu_job(name, caller)
-        pids = self._check_pids(req["pids"], caller) if req.get("pids") else req.get("pids")
+        pids, checked = self._checked_pids(req["pids"], caller) if req.get("pids") else (req.get("pids"), [])
         return manager.update_job(name, sm_percent=req.get("sm_percent"), mem_limit_mb=req.get("mem_limit_mb"),
-                                  pids=pids, clear_mem_limit=bool(req.get("clear_mem_limit")))
+                                  pids=pids, clear_mem_limit=bool(req.get("clear_mem_limit")),
+                                  pid_starts=_starts_of(checked))
 
     def gpu_remove(self, name: str, caller: Caller = AGENT) -> dict[str, Any]:
         return self._owned_gpu_job(name, caller).remove_job(name)
@@ -725,6 +915,11 @@ def _layout_of(instances: list[dict[str, Any]]) -> str | None:
                                           for i in instances)))
     except (ImportError, ValueError, TypeError):
         return None
+
+
+def _starts_of(checked: list[ProcessFacts]) -> dict[int, int]:
+    """pid -> start time of the processes the policy checked (what GPU eviction may signal)."""
+    return {f.pid: f.start_time for f in checked if f.start_time is not None}
 
 
 def _gpu_ref(gpu: Any) -> str | int:

@@ -10,9 +10,16 @@ Where a job is pinned (its Placement):
 Every change goes through one ChangeLog per job (reamer/host/changes.py), saved in the job's record before
 it is made; detach, a failed attach and a restarted agent undo it from there.
 
+Which processes (reamer.agent.policy decides, ProcessGate carries it out): the processes an attach checked
+are recorded by identity (pid and start time); when they are pinned each is read again and refused if its
+pid now belongs to another process; a process or thread found later (a new child, a new thread) is checked
+before it is touched; in a job attached by a user other than root, a thread whose uids are not all that
+user's (a setuid program) is never made SCHED_RR, and demoted if it is, on every pass.
+
 The RT budget (cgroup v1 with RT group scheduling only): a job whose cpu cgroup is not the root needs
-cpu.rt_runtime_us there for SCHED_RR. It is reserved when the job attaches, the config's rt_runtime_us is
-the cap for all jobs together (each gets cap / jobs), and it is given back when the job detaches and when
+cpu.rt_runtime_us there for SCHED_RR. It is reserved when the job attaches, from one of two pools of the
+config's rt_runtime_us (policy.RtPools: users' jobs share training.user_rt_percent of it, root's and admins'
+jobs the rest, so a user's attach never shrinks theirs), and it is given back when the job detaches and when
 the agent stops cleanly (its threads then run SCHED_OTHER until the agent is back).
 """
 from __future__ import annotations
@@ -25,12 +32,15 @@ from typing import Any, Callable, Iterable
 
 import psutil
 
+from reamer.agent.policy import (BudgetHolder, Caller, RtPools, check_rt_budget, check_same_process,
+                                 process_refusal, rt_budgets)
 from reamer.host import cgroups
 from reamer.host.cgroups import CgroupDriver
 from reamer.host.changes import ChangeLog
 from reamer.host.container import container_cgroup
 from reamer.host.cpulist import format_cpulist
 from reamer.host.errors import HostError
+from reamer.host.identity import ProcessFacts, has_exited, open_pidfd, process_facts
 from reamer.host.probe import kernel_config_option
 from reamer.host.sched import ThreadGone, policy_of, rt_throttling, set_other, set_rr
 from reamer.host.systemd import SLICE, Systemd, systemd_booted, unit_of_cgroup
@@ -41,6 +51,7 @@ CPU = "cpu"
 CPUSET = "cpuset"
 IN_PLACE, SCOPE, OWN = "in-place", "scope", "own"
 EFFECTIVE_WAIT_S = 5.0
+DEFAULT_USER_RT_PERCENT = 25  # training.user_rt_percent's default
 
 
 class RtThrottlingDisabled(HostError):
@@ -68,6 +79,12 @@ class Placement:
     cpu_path: str = ""  # v1 with RT group scheduling: the cpu cgroup that needs the budget ("": none needed)
     unit: str | None = None  # the systemd unit that owns cpuset_path (v2)
     own_cpu: bool = False  # v1: cpu_path is reamer's own and the processes move there
+    owner_uid: int = 0  # who attached the job: in its threads only this uid's are made SCHED_RR (root: all)
+    privileged: bool = True  # attached by root or an admin: its RT budget comes from the privileged pool
+
+    @property
+    def owner(self) -> Caller:
+        return Caller(uid=self.owner_uid, gid=-1, pid=0, admin=self.privileged)
 
     def to_doc(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +103,8 @@ class PinState:
     threads_rr: int = 0
     fixed: int = 0  # threads made SCHED_RR in this pass
     conflict: str = ""  # another manager changed the job's cpuset: what reamer found
+    refused: list[str] = field(default_factory=list)  # threads first refused RT in this pass: why
+    demoted: int = 0  # refused threads that were RT (inherited from the job) and were demoted in this pass
 
     @property
     def alive(self) -> bool:
@@ -129,12 +148,80 @@ def _common(paths: Iterable[str]) -> str:
     return "/".join(prefix)
 
 
+class ProcessGate:
+    """The processes of one attach, from the policy check to their pinning. What was checked is recorded by
+    identity (pid and start time) and held by a pidfd (a live process keeps its pid: while its pidfd says it
+    runs, the pid is still that process); `admit` reads every process again right before it is used.
+    Close it (or use it as a context manager) when the attach is over."""
+
+    def __init__(self, owner: Caller, checked: Iterable[ProcessFacts], agent_pid: int,
+                 proc_root: str = "/proc") -> None:
+        self.owner = owner
+        self.checked = {f.pid: f for f in checked if not f.gone}
+        self.agent_pid = agent_pid
+        self.proc_root = proc_root
+        self._pidfds: dict[int, int] = {}
+        for facts in self.checked.values():
+            if facts.identity is not None and proc_root == "/proc":
+                try:
+                    fd = open_pidfd(facts.identity)
+                except OSError:  # no pidfds on this kernel: start times alone decide
+                    break
+                if fd is not None:
+                    self._pidfds[facts.pid] = fd
+
+    def close(self) -> None:
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
+
+    def __enter__(self) -> "ProcessGate":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @classmethod
+    def checking_now(cls, owner: Caller, pids: Iterable[int], proc_root: str = "/proc") -> "ProcessGate":
+        """For a caller that checked nothing itself (tests, embedding): the processes as they are now."""
+        gate = cls(owner, [], os.getpid(), proc_root)
+        gate.admit([], job_processes(pids))
+        return gate
+
+    def _still_running(self, pid: int) -> bool | None:
+        fd = self._pidfds.get(pid)
+        return None if fd is None else not has_exited(fd)
+
+    def admit(self, named: Iterable[int], found: Iterable[int]) -> list[int]:
+        """The live processes among `named` (the request's) and `found` (their descendants, a cgroup's
+        members), re-checked now: a named one must be the very process checked before; any other one
+        (new, or a pid reused since) must pass the policy. Raises Forbidden, touching nothing."""
+        named = set(named)
+        admitted = []
+        for pid in sorted(named | set(found)):
+            now = process_facts(pid, self.proc_root)
+            if now.gone or now.zombie:
+                continue
+            before = self.checked.get(pid)
+            if pid in named and before is not None:
+                check_same_process(before, now, self._still_running(pid))
+            refusal = process_refusal(self.owner, now, self.agent_pid)
+            if refusal is not None:
+                raise refusal
+            self.checked.setdefault(pid, now)
+            admitted.append(pid)
+        return admitted
+
+
 class TrainingPinner:
     def __init__(self, driver: CgroupDriver, name: str, rt_runtime_us: int, proc_root: str = "/proc",
-                 systemd: Systemd | None = None, run_root: str = "/run") -> None:
+                 systemd: Systemd | None = None, run_root: str = "/run",
+                 user_rt_percent: int = DEFAULT_USER_RT_PERCENT) -> None:
         self.driver = driver
         self.name = name
         self.rt_runtime_us = rt_runtime_us  # the cap: all jobs' budgets together
+        self.pools = RtPools(rt_runtime_us, user_rt_percent)
+        self._refused: dict[str, set[tuple[int, int | None]]] = {}  # job -> threads refused RT (tid, start)
         self.proc_root = proc_root
         if systemd is None and driver.version == 2 and systemd_booted(run_root):
             systemd = Systemd()
@@ -233,22 +320,42 @@ class TrainingPinner:
                     return int(change.before or 0)
         return None
 
-    def budget_share(self, jobs_with_budget: int) -> int:
-        return self.rt_runtime_us // max(1, jobs_with_budget)
+    def budget_holders(self, exclude: str | None = None) -> list[BudgetHolder]:
+        return [BudgetHolder(job, p.owner_uid, p.privileged) for job, p in self.placements.items()
+                if job != exclude and self.needs_budget(job)]
+
+    def budgets(self) -> dict[str, int]:
+        """Every job's RT budget under the pool rule (jobs that need one)."""
+        return rt_budgets(self.pools, self.budget_holders())
+
+    def check_budget(self, job: str, placement: Placement) -> None:
+        """Refuses (policy rule rt_pool) a job whose pool has nothing worth giving it; changes nothing."""
+        if self.rt_budgets and placement.cpu_path:
+            check_rt_budget(self.pools, BudgetHolder(job, placement.owner_uid, placement.privileged),
+                            self.budget_holders(exclude=job))
 
     def needs_budget(self, job: str) -> bool:
         placement = self.placements.get(job)
         return bool(self.rt_budgets and placement is not None and placement.cpu_path)
 
     def attach(self, job: str, placement: Placement, pids: list[int], cpus: list[int], priority: int,
-               change_log: ChangeLog) -> PinState:
-        """Pin the job; on any failure every change made so far is undone and the error raised."""
+               change_log: ChangeLog, gate: ProcessGate | None = None) -> PinState:
+        """Pin the job; on any failure every change made so far is undone and the error raised. `gate`
+        holds the processes the caller checked (None: they are checked now, for the placement's owner)."""
         self.check_rt_possible()
+        self.check_budget(job, placement)
+        own_gate = gate is None
+        if gate is None:
+            gate = ProcessGate.checking_now(placement.owner, pids, self.proc_root)
         self.placements[job] = placement
         try:
             if self.needs_budget(job):
                 self._share_budget(extra=job)
-            self._pin(job, placement, pids, cpus, change_log)
+            try:
+                self._pin(job, placement, pids, cpus, change_log, gate)
+            finally:
+                if own_gate:
+                    gate.close()
             return self.reconcile(job, cpus, priority)
         except BaseException:
             self.demote(job)
@@ -261,8 +368,12 @@ class TrainingPinner:
                 self._share_budget()  # the others shrank to make room: they get it back
             raise
 
-    def _pin(self, job: str, placement: Placement, pids: list[int], cpus: list[int], change_log: ChangeLog) -> None:
-        procs = job_processes(pids)
+    def _pin(self, job: str, placement: Placement, pids: list[int], cpus: list[int], change_log: ChangeLog,
+             gate: ProcessGate) -> None:
+        procs = gate.admit(pids, job_processes(pids))
+        if not procs:
+            raise HostError(f"none of the processes {pids} of training job {job!r} exist any more",
+                            "give the pids of running training processes (see `ps -ef`)")
         if placement.mode == IN_PLACE:
             if placement.unit is not None:
                 change_log.set_unit_cpus(placement.unit, placement.cpuset_path, cpus)
@@ -287,7 +398,7 @@ class TrainingPinner:
         if placement.own_cpu:
             change_log.make_cgroup(placement.cpu_path, CPU)
         if self.needs_budget(job):
-            self._reserve(job, change_log, self.budget_share(self._budget_jobs()))
+            self._reserve(job, change_log, self.budgets()[job])
         if placement.own_cpu:
             change_log.move(placement.cpu_path, CPU, procs)
 
@@ -321,21 +432,25 @@ class TrainingPinner:
             ) from None
 
     def _share_budget(self, extra: str | None = None) -> None:
-        """Resize every job's budget to cap / jobs (shrinking first, so the new share fits)."""
-        share = self.budget_share(self._budget_jobs())
+        """Resize every job's budget to its share of its pool (shrinking first, so the new shares fit). Only
+        jobs of the pool that changed get a new share: the others' stays what it was."""
+        shares = self.budgets()
         for job, change_log in self.logs.items():
-            if job == extra or not self.needs_budget(job):
+            if job == extra or job not in shares:
                 continue
             current = self.driver.get_rt_runtime(self.placements[job].cpu_path) or 0
-            if current > share:
-                change_log.set_rt(self.placements[job].cpu_path, share)
+            if current > shares[job]:
+                change_log.set_rt(self.placements[job].cpu_path, shares[job])
         if extra is None:
             for job, change_log in self.logs.items():
-                if self.needs_budget(job):
+                if job in shares:
+                    current = self.driver.get_rt_runtime(self.placements[job].cpu_path) or 0
+                    if current == shares[job]:
+                        continue
                     try:
-                        change_log.set_rt(self.placements[job].cpu_path, share)
+                        change_log.set_rt(self.placements[job].cpu_path, shares[job])
                     except HostError as error:  # someone took the budget meanwhile: keep the smaller share
-                        log.warning("cannot grow the RT budget of %s to %d us: %s", job, share, error.message)
+                        log.warning("cannot grow the RT budget of %s to %d us: %s", job, shares[job], error.message)
 
     def release_budgets(self) -> int:
         """Agent stopping cleanly: every job's threads to SCHED_OTHER and its RT budget given back."""
@@ -362,38 +477,84 @@ class TrainingPinner:
             return []
         return cgroups.subtree_processes(self.driver, placement.cpuset_path)
 
-    def reconcile(self, job: str, cpus: list[int], priority: int, make_rr: bool = True,
-                  owner_uid: int = 0) -> PinState:
+    def reconcile(self, job: str, cpus: list[int], priority: int, make_rr: bool = True) -> PinState:
         """Make every thread of the job SCHED_RR; report (not fight) another manager's cpuset.
-        A job attached by a user other than root only promotes threads that user owns."""
+        A job attached by a user other than root only promotes threads whose uids are all that user's, and
+        demotes any other one (a setuid program the job ran inherits SCHED_RR)."""
         placement = self.placements.get(job)
         state = PinState()
         if placement is None or not self.driver.exists(placement.cpuset_path):
             return state
         state.conflict = self._check_cpuset(job, placement, cpus)
         if self.needs_budget(job) and make_rr and (self.driver.get_rt_runtime(placement.cpu_path) or 0) == 0:
-            self._reserve(job, self.logs[job], self.budget_share(self._budget_jobs()))  # after a clean stop
+            self._reserve(job, self.logs[job], self.budgets()[job])  # after a clean stop
+        owner = placement.owner
         if placement.own_cpu:
             in_cpu = set(self.driver.processes(placement.cpu_path, CPU))
             for pid in self.driver.processes(placement.cpuset_path, CPUSET):
                 if pid not in in_cpu:
+                    if not owner.is_root and process_refusal(owner, process_facts(pid, self.proc_root),
+                                                             os.getpid()) is not None:
+                        continue  # not the owner's to give the job's RT budget (its threads are refused below)
                     try:
                         self.driver.add_process(placement.cpu_path, pid, controllers=(CPU,))
                     except ThreadGone:
                         pass
+        refused = self._refused.setdefault(job, set())
         for tid in self.job_tasks(job):
             try:
                 policy, prio = policy_of(tid)
-                if make_rr and (policy != "rr" or prio != priority) and _owned_by(tid, owner_uid):
-                    set_rr(tid, priority)
-                    state.fixed += 1
-                    policy = "rr"
+                facts = None
+                if not owner.is_root:  # every pass: a thread may have run a setuid program since the last one
+                    facts = process_facts(tid, self.proc_root)
+                    if facts.gone:
+                        continue
+                    if self._refuse_rt(tid, facts, policy, owner, refused, state):
+                        state.threads += 1  # in the job, never RT: "rr threads" shows it as n-1/n
+                        continue
+                if make_rr and (policy != "rr" or prio != priority):
+                    if self._set_rr_checked(tid, priority, facts, owner):
+                        state.fixed += 1
+                        policy = "rr"
+                    else:
+                        policy = policy_of(tid)[0]
                 state.threads += 1
                 state.threads_rr += policy == "rr"
             except ThreadGone:
                 continue
         state.pids = self.job_pids(job)
         return state
+
+    def _refuse_rt(self, tid: int, facts: ProcessFacts, policy: str, owner: Caller,
+                   refused: set[tuple[int, int | None]], state: PinState) -> bool:
+        """True (and the thread demoted when RT) when the policy refuses `owner` this thread."""
+        refusal = process_refusal(owner, facts, os.getpid())
+        if refusal is None:
+            return False
+        if policy in ("rr", "fifo"):
+            set_other(tid)
+            state.demoted += 1
+        if (tid, facts.start_time) not in refused:
+            refused.add((tid, facts.start_time))
+            state.refused.append(f"thread {tid} not made SCHED_RR: {refusal.message}")
+        return True
+
+    def _set_rr_checked(self, tid: int, priority: int, facts: ProcessFacts | None, owner: Caller) -> bool:
+        """SCHED_RR for `tid` if it is still the thread that was checked, and still passes the policy after
+        the change (else it is demoted again: it changed in between). False when it did not stay RR."""
+        before = facts if facts is not None else process_facts(tid, self.proc_root)
+        if before.gone:
+            raise ThreadGone(tid)
+        set_rr(tid, priority)
+        after = process_facts(tid, self.proc_root)
+        if after.start_time == before.start_time and (owner.is_root or
+                                                      process_refusal(owner, after, os.getpid()) is None):
+            return True
+        try:  # its tid was reused, or it ran a setuid program, between the check and the change
+            set_other(tid)
+        except ThreadGone:
+            pass
+        return False
 
     def _check_cpuset(self, job: str, placement: Placement, cpus: list[int]) -> str:
         found = cgroups.parse_cpulist(cgroups.read_cpuset_raw(self.driver, placement.cpuset_path))
@@ -438,6 +599,7 @@ class TrainingPinner:
                 log.warning("detach of %s: %s", job, "; ".join(problems))
         self.placements.pop(job, None)
         self._rewrites.pop(job, None)
+        self._refused.pop(job, None)
         if self.rt_budgets and self._budget_jobs():
             self._share_budget()
         return demoted
@@ -467,11 +629,3 @@ class TrainingPinner:
                 total += self.demote(job)
         return total
 
-
-def _owned_by(tid: int, uid: int) -> bool:
-    if uid == 0:
-        return True
-    try:
-        return os.stat(f"/proc/{tid}").st_uid == uid
-    except OSError:
-        return False

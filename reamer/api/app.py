@@ -26,7 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from reamer.agent.errors import AdmissionRefused, Conflict, InvalidRequest, NotFound
 from reamer.agent.policy import Caller, Forbidden
 from reamer.api.server import PEER_SCOPE_KEY
-from reamer.api.schemas import (DemoteResult, ErrorBody, Event, EventList, GpuJobRequest, GpuJobUpdate, GpuStatus, Health,
+from reamer.api.schemas import (Capacity as CapacitySchema, InferenceAdmission, InferenceAdmissionRequest,
+                                 TrainingAdmission, TrainingAdmissionRequest, DemoteResult, ErrorBody, Event, EventList, GpuJobRequest, GpuJobUpdate, GpuStatus, Health,
                                 InferenceJob, InferenceJobList, InferenceJobRequest, NodeInfo, TrainingJob,
                                 TrainingJobList, TrainingJobRequest)
 from reamer.host.access import in_group
@@ -225,6 +226,20 @@ def build_app(agent: "Agent") -> FastAPI:
     def node() -> dict:
         return agent.node_info()
 
+    # --- for cluster schedulers: capacity and dry-run admission (nothing changes) ---
+
+    @app.get("/v1/capacity", response_model=CapacitySchema)
+    def capacity() -> dict:
+        return agent.capacity()
+
+    @app.post("/v1/admission/training", response_model=TrainingAdmission, responses=ERRORS)
+    def admission_training(body: TrainingAdmissionRequest) -> dict:
+        return agent.admit_training_dry(body.model_dump())
+
+    @app.post("/v1/admission/inference", response_model=InferenceAdmission, responses=ERRORS)
+    def admission_inference(body: InferenceAdmissionRequest) -> dict:
+        return agent.admit_inference_dry(body.model_dump())
+
     # --- training ---
 
     @app.get("/v1/training-jobs", response_model=TrainingJobList)
@@ -273,7 +288,8 @@ def build_app(agent: "Agent") -> FastAPI:
 
     @app.get("/v1/events", response_model=EventList,
              responses={429: {"model": ErrorBody, "description": "too many long-polls open"}})
-    async def events(since: int = Query(0, ge=0, le=SQLITE_MAX_INT, description="return events with id > since"),
+    async def events(request: Request,
+                     since: int = Query(0, ge=0, le=SQLITE_MAX_INT, description="return events with id > since"),
                      wait: float = Query(0.0, ge=0, le=MAX_WAIT_S, allow_inf_nan=False,
                                          description="long-poll up to this many seconds")) -> Any:
         # The wait happens here on the event loop (a sleep, no thread), so any number of long-polls
@@ -288,6 +304,8 @@ def build_app(agent: "Agent") -> FastAPI:
                 deadline = time.monotonic() + wait
                 while agent.events.last_id <= since and time.monotonic() < deadline:
                     await asyncio.sleep(min(LONG_POLL_STEP_S, max(0.0, deadline - time.monotonic())))
+                    if await request.is_disconnected():  # else an abandoned long-poll keeps its place for `wait`
+                        return Response(status_code=499)
             finally:
                 long_polls["open"] -= 1
         found, last_id = await run_in_threadpool(agent.events_since, since, 0.0)

@@ -32,8 +32,8 @@ class ApiError(ReamerError):
 def _unreachable(socket_path: str, why: str) -> AgentUnreachable:
     return AgentUnreachable(
         f"the reamer agent is not reachable on {socket_path} ({why})",
-        f"start it: systemctl start reamer / reamer daemon --config /etc/reamer/reamer.yaml; "
-        "or pass --socket (env REAMER_SOCKET) if it listens elsewhere")
+        "start it: systemctl start reamer / reamer daemon --config /etc/reamer/reamer.yaml; "
+        "or pass --socket (env REAMER_SOCKET) or --instance NAME if it listens elsewhere")
 
 
 class ApiClient:
@@ -95,6 +95,10 @@ class ApiClient:
 
     def metrics(self) -> str:
         return self.request("GET", "/metrics")
+
+    def capacity(self) -> dict:
+        """Spare capacity in the units schedulers count (GET /v1/capacity)."""
+        return self.request("GET", "/v1/capacity")
 
     # --- training ---
 

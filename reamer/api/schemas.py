@@ -15,8 +15,8 @@ MAX_PIDS = 4096  # pids in one request
 MAX_PATH = 4096  # PATH_MAX
 Pid = Annotated[int, Field(gt=0, le=PID_MAX_LIMIT)]
 
-TrainingSource = Literal["pids", "cgroup", "container"]
-TrainingState = Literal["running", "ended"]
+TrainingSource = Literal["pids", "cgroup", "container", "slurm"]
+TrainingState = Literal["pending", "running", "ended"]
 InferenceKind = Literal["online", "offline"]
 InferenceState = Literal["running", "pending", "done", "failed"]
 
@@ -49,6 +49,70 @@ class RtThrottling(_Response):
     period_us: int
 
 
+class RtBudgetHolder(_Response):
+    job: str
+    owner_uid: int
+    pool: Literal["privileged", "users"]
+    budget_us: int  # its share of its pool (cpu.rt_runtime_us per cpu.rt_period_us)
+    held_us: int  # what its cpu cgroup holds now (0 while the agent is stopped or throttling is off)
+    cpu_cgroup: str
+
+
+class RtBudget(_Response):
+    """The training RT budget rule (cgroup v1 with RT group scheduling): users' jobs share user_pool_us,
+    root's and admins' jobs privileged_pool_us; no user's attach shrinks a privileged job's budget."""
+
+    enabled: bool  # false: this host needs no budgets (cgroup v2, or no RT group scheduling)
+    cap_us: int  # training.rt_runtime_us
+    user_percent: int  # training.user_rt_percent
+    privileged_pool_us: int
+    user_pool_us: int
+    jobs: list[RtBudgetHolder] = Field(default_factory=list)
+    rule: str = ""
+
+
+class Capacity(_Response):
+    """Spare capacity in the units schedulers count (see reamer/agent/scheduler_api.py)."""
+
+    spare_cores: int  # whole cores no training, online inference or housekeeping holds
+    spare_cpus: list[int]
+    offline_capacity_cores: float  # batch core-equivalents: spare cores + training cores' measured idle share
+    offline_capacity_millicores: int
+    training_cores: int
+    reserved_cpus: list[int]
+    generation: int  # increases at every change; a capacity_changed event carries the same body
+    ts: float
+
+
+class TrainingAdmissionRequest(_Body):
+    cores: int = Field(ge=1, le=4096)
+    allocated_cpus: Optional[list[Annotated[int, Field(ge=0, le=65535)]]] = Field(default=None, max_length=65536)
+
+
+class TrainingAdmission(_Response):
+    admit: bool
+    cpus: list[int]  # the cpus it would take
+    evicts: list[dict[str, str]]  # inference jobs that would give way: {"job", "kind", "action"}
+    reason: str
+
+
+class InferenceAdmissionRequest(_Body):
+    model: str = Field(min_length=1, max_length=4096)
+    slo_ms: float = Field(gt=0, le=3_600_000, allow_inf_nan=False)
+    rate_rps: Optional[float] = Field(default=None, gt=0, le=1e7, allow_inf_nan=False)
+    backend: Optional[str] = Field(default=None, max_length=32)
+    max_batch: Optional[int] = Field(default=None, ge=1, le=65536)
+    shapes: Optional[dict[str, list[Annotated[int, Field(ge=1, le=2**31)]]]] = None
+
+
+class InferenceAdmission(_Response):
+    admit: Optional[bool]  # None: no cached profile to answer from (reason says how to get one)
+    achievable_rps: Optional[float]
+    layout: Optional[str]
+    cores_free: int
+    reason: str
+
+
 class NodeInfo(_Response):
     hostname: str
     version: str
@@ -67,6 +131,8 @@ class NodeInfo(_Response):
     inference_jobs: int
     gpus: int = 0
     offline_sched: str = "rr-preempt"
+    profile_dir: Optional[str] = None  # the agent's profile cache (`reamer search`/`profile` share it)
+    rt_budget: Optional[RtBudget] = None
 
 
 class Health(_Response):
@@ -76,19 +142,18 @@ class Health(_Response):
 
 # --- training ---------------------------------------------------------------------------------
 
+_TRAINING_SOURCES = {"pids": "array", "cgroup": "string", "container": "string", "slurm_job": "integer"}
+
+
 class TrainingJobRequest(_Body):
-    """Attach a running training job: exactly one of pids, cgroup, container."""
+    """Attach a training job: exactly one of pids, cgroup, container (running processes) or slurm_job (a Slurm
+    job on this node, pending until its steps run; root and the admin group only)."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
-        {"required": ["pids"], "properties": {"pids": {"type": "array"}}, "not": {"anyOf": [
-            {"required": ["cgroup"], "properties": {"cgroup": {"type": "string"}}},
-            {"required": ["container"], "properties": {"container": {"type": "string"}}}]}},
-        {"required": ["cgroup"], "properties": {"cgroup": {"type": "string"}}, "not": {"anyOf": [
-            {"required": ["pids"], "properties": {"pids": {"type": "array"}}},
-            {"required": ["container"], "properties": {"container": {"type": "string"}}}]}},
-        {"required": ["container"], "properties": {"container": {"type": "string"}}, "not": {"anyOf": [
-            {"required": ["pids"], "properties": {"pids": {"type": "array"}}},
-            {"required": ["cgroup"], "properties": {"cgroup": {"type": "string"}}}]}}]})
+        {"required": [source], "properties": {source: {"type": kind}}, "not": {"anyOf": [
+            {"required": [other], "properties": {other: {"type": other_kind}}}
+            for other, other_kind in _TRAINING_SOURCES.items() if other != source]}}
+        for source, kind in _TRAINING_SOURCES.items()]})
 
     name: str = Field(pattern=JOB_NAME_PATTERN)
     pids: Optional[list[Pid]] = Field(default=None, min_length=1, max_length=MAX_PIDS)
@@ -96,14 +161,16 @@ class TrainingJobRequest(_Body):
     cgroup: Optional[str] = Field(default=None, min_length=1, max_length=MAX_PATH, pattern=r"\S")
     # container id (docker/containerd/cri-o/podman)
     container: Optional[str] = Field(default=None, min_length=1, max_length=256, pattern=r"\S")
+    # a Slurm job id (the Prolog's SLURM_JOB_ID): its steps' tasks are pinned as they start
+    slurm_job: Optional[int] = Field(default=None, ge=1, le=2**31 - 1)
     cores: Optional[int] = Field(default=None, ge=1, le=4096)  # default: from the container's cpuset/quota, else 1
     priority: Optional[int] = Field(default=None, ge=1, le=99)  # default: config training.priority
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> "TrainingJobRequest":
-        given = [k for k in ("pids", "cgroup", "container") if getattr(self, k)]
+        given = [k for k in _TRAINING_SOURCES if getattr(self, k)]
         if len(given) != 1:
-            raise ValueError("give exactly one of pids, cgroup, container (got "
+            raise ValueError("give exactly one of pids, cgroup, container, slurm_job (got "
                              f"{', '.join(given) if given else 'none'})")
         return self
 
@@ -120,6 +187,8 @@ class TrainingJob(_Response):
     created_at: float
     message: str = ""
     owner_uid: int = 0  # who attached it (root: 0); only it or root may detach it
+    steps: Optional[list[dict[str, Any]]] = None  # slurm: the steps followed ({"id", "cgroup"})
+    scheduler: Optional[dict[str, Any]] = None  # slurm: {"kind", "job_id", "allocated_cpus"}
 
 
 class TrainingJobList(_Response):
@@ -161,6 +230,9 @@ class InferenceJobRequest(_Body):
     # "f32" (default: answers as ONNX Runtime computes them) | "bf16" (OpenVINO computes in bfloat16 where
     # the CPU supports it; ONNX Runtime stays f32). Checked by the agent: an unknown value is a 400.
     precision: Optional[str] = Field(default=None, max_length=16)
+    # placed by Slurm (deployed from inside a Slurm job, e.g. one asking for --gres=reamer_spare:N): the job runs
+    # only on that Slurm job's cpus on this node, and is removed when the Slurm job ends
+    slurm_job: Optional[int] = Field(default=None, ge=1, le=2**31 - 1)
 
     @model_validator(mode="after")
     def _kind_fields(self) -> "InferenceJobRequest":
@@ -191,6 +263,9 @@ class InferenceStatus(_Response):
     # job's rate) and cpu ms per request
     frontdoor_busy: Optional[float] = None
     frontdoor_cpu_ms: Optional[float] = None
+    # online: whether requests are merged into batches, and why (not) (None until an instance has started)
+    batchable: Optional[bool] = None
+    batchable_reason: Optional[str] = None
 
 
 class InferenceJob(_Response):
@@ -198,6 +273,8 @@ class InferenceJob(_Response):
     model: str
     kind: InferenceKind
     backend: str
+    slurm_job: Optional[int] = None  # placed by this Slurm job: runs on its cpus only, ends with it
+    allowed_cpus: Optional[list[int]] = None
     slo_ms: Optional[float] = None
     rate_rps: Optional[float] = None
     port: Optional[int] = None
@@ -225,6 +302,8 @@ class InferenceJob(_Response):
     # what its instances compute in, as the runtime reports it (OpenVINO keeps f32 on a CPU without bf16;
     # ONNX Runtime is always f32); None until an instance is ready
     effective_precision: Optional[str] = None
+    # online: its process reports every instance ready and its front doors serving (what `infer deploy` waits for)
+    ready: bool = False
 
 
 class InferenceJobList(_Response):

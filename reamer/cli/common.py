@@ -30,6 +30,7 @@ class BadInput(ReamerError):
 class CliContext:
     socket_path: str
     output: str = "table"
+    instance: str | None = None  # --instance: which agent of the node (None: the node's one agent)
 
     @property
     def json(self) -> bool:
@@ -141,16 +142,40 @@ def exit_code_for(error: BaseException) -> int:
     return EXIT_FAILURE
 
 
-def report_error(error: BaseException) -> int:
-    """Print a user error as "error: …" and "fix: …" lines on stderr; return the exit code."""
+def error_doc(error: BaseException, exit_code: int) -> dict:
+    """A failure as -o json prints it on stdout: {"error": {"message", "fix", "exit_code", ["code", "status"]}}."""
+    message, fix = (error.message, error.fix) if isinstance(error, ReamerError) else (str(error), "")
+    doc: dict[str, Any] = {"message": message, "fix": fix, "exit_code": exit_code}
+    for name in ("code", "status"):  # the agent's answer, when it was one (ApiError)
+        value = getattr(error, name, None)
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            doc[name] = value
+    data = getattr(error, "data", None)
+    if isinstance(data, dict) and data:
+        doc["data"] = to_jsonable(data)
+    return {"error": doc}
+
+
+def _wants_json() -> bool:
+    ctx = click.get_current_context(silent=True)
+    obj = ctx.find_object(CliContext) if ctx is not None else None
+    return obj is not None and obj.json
+
+
+def report_error(error: BaseException, code: int | None = None) -> int:
+    """Print a user error as "error: …" and "fix: …" lines on stderr (and, with -o json, as a JSON object on
+    stdout, so scripts read failures where they read answers); return the exit code."""
     if isinstance(error, ReamerError):
         message, fix = error.message, error.fix
     else:
         message, fix = str(error), ""
+    code = exit_code_for(error) if code is None else code
     click.echo(f"error: {message}", err=True)
     if fix:
         click.echo(f"fix: {fix}", err=True)
-    return exit_code_for(error)
+    if _wants_json():
+        print_json(error_doc(error, code))
+    return code
 
 
 class ReamerGroup(click.Group):
@@ -160,7 +185,13 @@ class ReamerGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except click.ClickException as error:  # a bad flag or value: click prints it; -o json reads it too
+            if _wants_json() and not getattr(error, "json_printed", False):  # nested groups: print it once
+                error.json_printed = True  # type: ignore[attr-defined]
+                print_json({"error": {"message": error.format_message(), "fix": "see `reamer COMMAND --help`",
+                                      "exit_code": error.exit_code}})
             raise
         except ReamerError as error:
             ctx.exit(report_error(error))
@@ -176,9 +207,21 @@ class ReamerGroup(click.Group):
                 ctx.exit(report_error(ReamerError(
                     f"the connection to the agent failed ({type(error).__name__}: {error})",
                     "check that the agent runs (systemctl status reamer) and read its log (journalctl -u reamer)")))
-            click.echo(f"error: unexpected {type(error).__name__}: {error}", err=True)
-            click.echo("fix: rerun with REAMER_DEBUG=1 to see the traceback and report it", err=True)
-            ctx.exit(EXIT_FAILURE)
+            ctx.exit(report_error(ReamerError(f"unexpected {type(error).__name__}: {error}",
+                                              "rerun with REAMER_DEBUG=1 to see the traceback and report it"),
+                                  EXIT_FAILURE))
+
+
+def checked_instance(name: str) -> str:
+    """An agent instance name as --instance takes it (it becomes part of paths and a cgroup name)."""
+    import re
+
+    from reamer.agent.config import INSTANCE_PATTERN
+
+    if not re.match(INSTANCE_PATTERN, name):
+        raise click.BadParameter(f"{name!r} is not an agent instance name: letters, digits, '_', '.', '-', "
+                                 "at most 64, starting with a letter or digit", param_hint="--instance")
+    return name
 
 
 def cpulist_option_value(text: str | None) -> list[int] | None:

@@ -10,9 +10,12 @@ def register(cli: click.Group) -> None:
     cli.add_command(daemon)
 
 
-def daemon_overrides(socket: str | None, state_dir: str | None, reserved_cpus: str | None) -> dict:
+def daemon_overrides(socket: str | None, state_dir: str | None, reserved_cpus: str | None,
+                     instance: str | None = None) -> dict:
     """Flags that were given, as config overrides (flags win over the file)."""
     overrides: dict = {}
+    if instance is not None:
+        overrides["instance"] = instance
     if socket is not None:
         overrides["socket"] = socket
     if state_dir is not None:
@@ -30,16 +33,25 @@ def daemon_overrides(socket: str | None, state_dir: str | None, reserved_cpus: s
 @click.option("--state-dir", default=None, metavar="DIR", help="Store and job run directories (overrides the config).")
 @click.option("--reserved-cpus", default=None, metavar="LIST",
               help='Housekeeping CPUs never given to jobs, e.g. "0" or "" for none (overrides the config).')
+@click.option("--instance", default=None, metavar="NAME",
+              help="Run a second agent, NAME, beside the node's one: its own socket (/run/reamer-NAME/reamer.sock), "
+                   "state and profile cache (/var/lib/reamer-NAME), run directory (/run/reamer-NAME) and cgroup "
+                   "(reamer-NAME), each unless set otherwise (the config key `instance`).")
 @click.pass_context
 def daemon(ctx: click.Context, config_path: str | None, socket_path: str | None, state_dir: str | None,
-           reserved_cpus: str | None) -> None:
+           reserved_cpus: str | None, instance: str | None = None) -> None:
     """Run the agent in the foreground until SIGTERM."""
     from reamer.agent.daemon import run_daemon
+    from reamer.cli.common import CliContext, checked_instance
 
+    parent = ctx.find_root()
     if socket_path is None:
-        parent = ctx.find_root()
         if parent.get_parameter_source("socket_path") not in (None, click.core.ParameterSource.DEFAULT):
             socket_path = parent.params["socket_path"]
-    overrides = daemon_overrides(socket_path, state_dir, reserved_cpus)
+    if instance is None:
+        obj = ctx.find_object(CliContext)
+        instance = obj.instance if obj is not None else None
+    overrides = daemon_overrides(socket_path, state_dir, reserved_cpus,
+                                 checked_instance(instance) if instance is not None else None)
     code = run_daemon(config_path, overrides)
     ctx.exit(code or 0)

@@ -306,14 +306,35 @@ def online_request_body(model_path: str) -> dict:
         backend.close()
 
 
-def print_status(state: DemoState, elapsed_s: float) -> None:
+# the span of the job's own figures (reamer.serve.stats.RequestStats' window) that the live tables show
+JOB_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True)
+class LiveSample:
+    """The online job's own figures as one live table showed them (over its last JOB_WINDOW_S)."""
+
+    elapsed_s: float  # since the load started
+    p99_ms: float | None
+    slo_attainment: float | None
+
+
+def print_status(state: DemoState, elapsed_s: float) -> LiveSample | None:
+    """Print the node's tables; return the online job's figures they showed (None: no figures yet)."""
     from reamer.cli.node_cmd import render_inference_table, render_training_table
 
     node = state.client.node()
     click.echo(f"\n--- t+{elapsed_s:.0f}s: training on cpus {node.training_cpus or '-'}, idle cpus "
                f"{node.idle_cpus or '-'} ---")
     click.echo(render_training_table(state.client.list_training_jobs()))
-    click.echo(render_inference_table(state.client.list_inference_jobs()))
+    jobs = state.client.list_inference_jobs()
+    click.echo(render_inference_table(jobs))
+    online = next((j for j in jobs if j.name == ONLINE_JOB), None)
+    if online is None or online.status.slo_attainment is None:
+        return None
+    click.echo(f"({ONLINE_JOB}'s latency figures are the job's own: requests of the last {JOB_WINDOW_S:g} s, from "
+               "arrival at the job to its answer)")
+    return LiveSample(elapsed_s, online.status.p99_ms, online.status.slo_attainment)
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -346,14 +367,41 @@ def training_summary(report_path: Path | None, phase_start: float | None) -> dic
     }
 
 
-def online_summary(load: LoadThread | None, job) -> dict:
-    summary: dict = {"slo_ms": ONLINE_SLO_MS, "rate_rps": ONLINE_RATE_RPS}
+def client_windows(records, samples: list[LiveSample], slo_ms: float) -> list[float]:
+    """The clients' share within `slo_ms` of the requests sent in the JOB_WINDOW_S before each live table: the
+    span the job's own figure in that table covers."""
+    shares = []
+    for sample in samples:
+        sent = [r for r in records if sample.elapsed_s - JOB_WINDOW_S <= r.scheduled_s <= sample.elapsed_s]
+        if sent:
+            shares.append(sum(r.status == "ok" and r.latency_ms <= slo_ms for r in sent) / len(sent))
+    return shares
+
+
+def _span(values: list) -> list | None:
+    values = [v for v in values if v is not None]
+    return [min(values), max(values)] if values else None
+
+
+def online_summary(load: LoadThread | None, job, samples: list[LiveSample] | None = None) -> dict:
+    """The clients' figures over the whole run and, for the tables shown during it, the job's own figures and the
+    clients' over the same windows."""
+    samples = samples or []
+    summary: dict = {"slo_ms": ONLINE_SLO_MS, "rate_rps": ONLINE_RATE_RPS,
+                     "job_windows": {"window_s": JOB_WINDOW_S, "tables": len(samples),
+                                     "p99_ms": _span([s.p99_ms for s in samples]),
+                                     "slo_attainment": _span([s.slo_attainment for s in samples]),
+                                     "measured_by": "the job (arrival at the job to answer), as the live tables show"}}
     if load is not None and load.result is not None:
         result = load.result
         summary.update({"sent": len(result.records), "ok": result.ok, "shed": result.shed, "errors": result.errors,
                         "p50_ms": result.p50_ms, "p99_ms": result.p99_ms,
                         "slo_attainment": result.slo_attainment(ONLINE_SLO_MS),
-                        "achieved_rps": result.achieved_rps, "measured_by": "client (open-loop Poisson load)"})
+                        "achieved_rps": result.achieved_rps,
+                        "measured_by": "the clients over the whole run (open-loop Poisson load: scheduled send to "
+                                       "answer, the clients' own queueing and connections included)"})
+        summary["job_windows"]["client_slo_attainment"] = _span(client_windows(result.records, samples,
+                                                                               ONLINE_SLO_MS))
     elif load is not None and load.error is not None:
         summary["error"] = str(load.error)
     if job is not None:
@@ -371,6 +419,26 @@ def offline_summary(job) -> dict:
             "on_training_cores": any(i.on_training for i in job.instances)}
 
 
+def _job_windows_text(online: dict) -> str:
+    """The job's own figures of the live tables, and the clients' over the same windows (the two may differ:
+    the clients count their own queueing and connections, and the start of the run)."""
+    windows = online.get("job_windows") or {}
+    if not windows.get("tables") or windows.get("slo_attainment") is None:
+        return "no live table showed the job's figures"
+
+    def pct(span) -> str:
+        low, high = span
+        return f"{low * 100:.1f}%" if abs(high - low) < 5e-4 else f"{low * 100:.1f}–{high * 100:.1f}%"
+
+    p99 = windows.get("p99_ms")
+    text = (f"the {windows['tables']} live table(s) above, each over its last {windows['window_s']:g} s, from arrival "
+            f"at the job to its answer: {pct(windows['slo_attainment'])} within the SLO"
+            + (f", p99 {p99[0]:.1f}–{p99[1]:.1f} ms" if p99 else ""))
+    if windows.get("client_slo_attainment"):
+        text += f" (the clients over those windows: {pct(windows['client_slo_attainment'])})"
+    return text
+
+
 def render_summary(summary: dict) -> str:
     def ms(value) -> str:
         return "-" if value is None else f"{value:.1f} ms"
@@ -382,11 +450,14 @@ def render_summary(summary: dict) -> str:
         ("training", f"{train.get('iterations_colocated', 0)} iterations while co-located, median "
                      f"{ms(train.get('median_ms_colocated'))}, p99 {ms(train.get('p99_ms_colocated'))} "
                      f"(before: median {ms(train.get('median_ms_before'))})"),
-        ("online", (f"{online.get('ok', 0)}/{online.get('sent', 0)} ok at {online['rate_rps']:g} rps, "
-                    f"p50 {ms(online.get('p50_ms'))}, p99 {ms(online.get('p99_ms'))}, "
-                    f"{(online.get('slo_attainment') or 0) * 100:.1f}% within the {online['slo_ms']:g} ms SLO, "
-                    f"{online.get('shed', 0)} shed, layout {online.get('layout') or '-'} on cpus "
-                    f"{online.get('cpus') or '-'}") if "sent" in online else f"no load result ({online.get('error', 'stopped early')})"),
+        ("online, clients", (f"whole run, from each request's scheduled send to its answer: "
+                             f"{online.get('ok', 0)}/{online.get('sent', 0)} ok at {online['rate_rps']:g} rps, "
+                             f"p50 {ms(online.get('p50_ms'))}, p99 {ms(online.get('p99_ms'))}, "
+                             f"{(online.get('slo_attainment') or 0) * 100:.1f}% within the {online['slo_ms']:g} ms "
+                             f"SLO, {online.get('shed', 0)} shed, layout {online.get('layout') or '-'} on cpus "
+                             f"{online.get('cpus') or '-'}") if "sent" in online
+         else f"no load result ({online.get('error', 'stopped early')})"),
+        ("online, job", _job_windows_text(online)),
         ("offline", (f"{offline.get('done') or 0}/{offline.get('total') or '?'} inputs, "
                      f"{offline.get('throughput') or 0:.1f} inputs/s, state {offline.get('state')}, cpus "
                      f"{offline.get('cpus') or '-'}" + (" (incl. training cores)" if offline.get("on_training_cores") else ""))
@@ -528,6 +599,7 @@ def demo(cli: CliContext, duration: float, keep: bool) -> None:
     load: LoadThread | None = None
     phase_start = phase_end = None
     online_job = offline_job = None
+    live: list[LiveSample] = []  # the online job's figures as the live tables showed them
     try:
         say(f"work directory {workdir}; cgroup {state.cgroup_name}")
         state.rt_runtime_us = rt_budget_us()
@@ -559,7 +631,9 @@ def demo(cli: CliContext, duration: float, keep: bool) -> None:
         while load.alive():
             now = time.monotonic()
             if now >= next_print and not cli.json:
-                print_status(state, now - phase_start)
+                sample = print_status(state, now - phase_start)
+                if sample is not None:
+                    live.append(sample)
                 next_print = now + interval
             if state.agent.poll() is not None:
                 raise ReamerError(f"the demo agent died (exit {state.agent.returncode}): {log_tail(state.agent_log)}",
@@ -588,7 +662,7 @@ def demo(cli: CliContext, duration: float, keep: bool) -> None:
                 "stopped_by": stopped_by,
                 "colocated_s": (phase_end - phase_start) if phase_start is not None else 0.0,
                 "training": training_summary(state.trainer_report, phase_start),  # written when it stopped
-                "online": online_summary(load, online_job),
+                "online": online_summary(load, online_job, live),
                 "offline": offline_summary(offline_job),
                 "cleanup_problems": state.problems,
             }

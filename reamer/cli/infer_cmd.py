@@ -26,7 +26,7 @@ def infer() -> None:
 
 def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, rate, port, input_dir, output_dir,
                    backend, max_batch, layout, grpc_port=None, shapes=(), input_data=None, bind=None,
-                   memory_limit_mb=None, precision=None) -> dict:
+                   memory_limit_mb=None, precision=None, slurm_job=None) -> dict:
     if online == offline:
         raise BadInput("say whether the job is --online or --offline", "add --online --slo-ms MS, or "
                        "--offline --input DIR --output DIR")
@@ -59,7 +59,7 @@ def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, r
                "input_dir": os.path.abspath(input_dir) if input_dir else None,
                "output_dir": os.path.abspath(output_dir) if output_dir else None,
                "backend": backend, "max_batch": max_batch, "layout": layout, "bind_address": bind,
-               "memory_limit_mb": memory_limit_mb, "precision": precision}
+               "memory_limit_mb": memory_limit_mb, "precision": precision, "slurm_job": slurm_job}
     samples = sample_spec(shapes, input_data)
     if samples.shapes:
         request["shapes"] = {k: list(v) for k, v in samples.shapes.items()}
@@ -67,8 +67,46 @@ def deploy_request(name: str, model: str, online: bool, offline: bool, slo_ms, r
     return {k: v for k, v in request.items() if v is not None}
 
 
-def wait_for_job(client, name: str, kind: str, timeout_s: float | None = None, show_progress: bool = True):
-    """Poll the job until it is done (offline, with a progress bar) or running (online); raise if it fails."""
+ONLINE_READY_TIMEOUT_S = 300.0  # an online deploy waits this long for its front doors (--timeout)
+POLL_S = 0.5
+
+
+def job_failed(name: str, job) -> ReamerError:
+    return ReamerError(f"inference job {name} failed: {field(job, 'message') or 'no detail'}",
+                       f"see `reamer infer show {name}` and `reamer events`; fix the cause and deploy it again")
+
+
+def wait_until_ready(client, name: str, timeout_s: float | None, keep_pending: bool):
+    """Poll the agent until the online job runs, its process reports ready, and both front doors answer as a
+    client would ask them (REST /v2/health/ready, gRPC ServerReady); return the job. A job the agent keeps
+    pending (no free cores) is returned at once unless `keep_pending`. Raises with the agent's reason when the job
+    fails, or with what was last seen when `timeout_s` passes first."""
+    from reamer.cli.readiness import front_doors
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    doors: list = []
+    while True:
+        job = client.get_inference_job(name)
+        state = field(job, "state")
+        if state == "failed":
+            raise job_failed(name, job)
+        if state == "pending" and not keep_pending:
+            return job
+        if state == "running" and field(job, "ready"):
+            doors = front_doors(field(job, "bind_address"), field(job, "port"), field(job, "grpc_port"))
+            if all(d.ready for d in doors):
+                return job
+        if deadline is not None and time.monotonic() > deadline:
+            seen = "; ".join(d.detail for d in doors) or "the job has not reported ready"
+            raise ReamerError(f"inference job {name} is not ready after {timeout_s:.0f} s (state {state}: "
+                              f"{field(job, 'message') or 'no message'}; {seen})",
+                              f"see `reamer infer show {name}` and `reamer events`; give it longer with --timeout "
+                              f"SECONDS, or remove it with `reamer infer remove {name}`")
+        time.sleep(POLL_S)
+
+
+def wait_until_done(client, name: str, timeout_s: float | None = None, show_progress: bool = True):
+    """Poll an offline job until it is done, with a progress bar drawn once per change; raise if it fails."""
     from tqdm import tqdm
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -79,26 +117,37 @@ def wait_for_job(client, name: str, kind: str, timeout_s: float | None = None, s
             state = field(job, "state")
             status = field(job, "status") or {}
             if state == "failed":
-                raise ReamerError(f"inference job {name} failed: {field(job, 'message') or 'no detail'}",
-                                  f"see `reamer infer show {name}` and `reamer events`")
-            if kind == "offline":
-                total, done = field(status, "total"), field(status, "done")
-                if total and show_progress:
-                    if bar is None:
-                        bar = tqdm(total=total, desc=name, unit="input")
-                    bar.n = done or 0
-                    bar.refresh()
-                if state == "done":
-                    return job
-            elif state == "running" and field(job, "pid"):
+                raise job_failed(name, job)
+            total, done = field(status, "total"), field(status, "done") or 0
+            if total and show_progress:
+                # Each line is drawn once: when the count changes, and the last one by close() alone (a bar
+                # drawn at creation, or at the total, and again by close() showed the same line twice). A delay
+                # keeps tqdm from drawing at creation; without one close() draws, drawn before or not.
+                if bar is None:
+                    bar = tqdm(total=total, initial=0, desc=name, unit="input", delay=1e-6)
+                if done >= total or state == "done":
+                    bar.n = done
+                elif done > bar.n:
+                    bar.update(done - bar.n)
+            if state == "done":
+                if bar is not None:
+                    bar.delay = 0
                 return job
             if deadline is not None and time.monotonic() > deadline:
                 raise ReamerError(f"inference job {name} is still {state} after {timeout_s:.0f} s",
                                   f"check `reamer infer show {name}`")
-            time.sleep(0.5)
+            time.sleep(POLL_S)
     finally:
         if bar is not None:
             bar.close()
+
+
+def deploy_state_text(job) -> str:
+    """What the deploy achieved, in the words an operator acts on: "running" only for a job that answers."""
+    state = field(job, "state")
+    if field(job, "kind") == "online" and state == "running" and not field(job, "ready"):
+        return "starting (not answering yet)"
+    return state
 
 
 @infer.command("deploy")
@@ -123,24 +172,41 @@ def wait_for_job(client, name: str, kind: str, timeout_s: float | None = None, s
               help="Online: listen on this one address of the node (default: inference.bind_address, 0.0.0.0 = all).")
 @click.option("--memory-limit-mb", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Memory limit of all the job's processes (default: inference.memory_limit_mb, none).")
+@click.option("--slurm-job", type=click.IntRange(min=1), default=None, metavar="ID",
+              help="Placed by Slurm: run only on this Slurm job's cpus here and end with it (inside a batch "
+                   "script: --slurm-job $SLURM_JOB_ID).")
 @traffic_options
-@click.option("--wait", is_flag=True, help="Wait until the job runs (online) or is done (offline, progress bar).")
+@click.option("--wait", is_flag=True,
+              help="Online: wait until ready also while the job waits for free cores. Offline: wait until done "
+                   "(progress bar).")
+@click.option("--no-wait", is_flag=True, help="Online: return once the agent took the job, without waiting for "
+                                              "its front doors to answer.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help=f"Longest wait (default: {ONLINE_READY_TIMEOUT_S:g} s for an online job's front doors; none for "
+                   "--wait on an offline job).")
 @pass_cli
 def deploy(cli: CliContext, name, model, online, offline, slo_ms, rate, port, input_dir, output_dir, backend,
            max_batch, layout, wait, grpc_port=None, bind=None, memory_limit_mb=None, shapes=(),
-           input_data=None, precision=None) -> None:
+           input_data=None, precision=None, no_wait=False, timeout_s=None, slurm_job=None) -> None:
     """Deploy an inference job on the idle cores.
+
+    An online deploy returns when the job's REST and gRPC front doors answer ready ("running"), with the
+    agent's reason when the job fails first, or "pending" when it waits for free cores (--wait: wait on).
 
     --shape and --input-data describe the traffic as perf_analyzer takes it: the layout search, admission
     and the instances' warm-up run on them (default: every dynamic dim 16, zeros for integer inputs)."""
+    if wait and no_wait:
+        raise BadInput("--wait and --no-wait contradict each other", "give one of them")
     request = deploy_request(name, model, online, offline, slo_ms, rate, port, input_dir, output_dir, backend,
                              max_batch, layout, grpc_port=grpc_port, shapes=shapes, input_data=input_data,
-                             bind=bind, memory_limit_mb=memory_limit_mb, precision=precision)
+                             bind=bind, memory_limit_mb=memory_limit_mb, precision=precision, slurm_job=slurm_job)
     client = cli.client()
     job = client.deploy_inference(request)
-    if wait:
-        job = wait_for_job(client, name, request["kind"], show_progress=not cli.json)
-    emit(cli, job, lambda j: f"deployed {field(j, 'name')} ({field(j, 'kind')}): {field(j, 'state')}"
+    if request["kind"] == "online" and not no_wait:
+        job = wait_until_ready(client, name, timeout_s or ONLINE_READY_TIMEOUT_S, keep_pending=wait)
+    elif wait:
+        job = wait_until_done(client, name, timeout_s, show_progress=not cli.json)
+    emit(cli, job, lambda j: f"deployed {field(j, 'name')} ({field(j, 'kind')}): {deploy_state_text(j)}"
                              + (f", layout {field(j, 'layout')}" if field(j, "layout") else "")
                              + (f", precision {_precision_text(j)}" if field(j, "precision") not in (None, "f32")
                                 else "")
@@ -160,6 +226,7 @@ def list_inference(cli: CliContext) -> None:
 def render_job(job) -> str:
     head = render_fields([
         ("name", field(job, "name")), ("kind", field(job, "kind")), ("state", field(job, "state")),
+        *([("ready", field(job, "ready"))] if field(job, "kind") == "online" else []),
         ("model", field(job, "model")), ("backend", field(job, "backend")), ("layout", field(job, "layout")),
         ("precision", _precision_text(job)),
         ("slo ms", field(job, "slo_ms")), ("rate rps", field(job, "rate_rps")), ("port", field(job, "port")),
@@ -169,6 +236,7 @@ def render_job(job) -> str:
         ("input", field(job, "input_dir")), ("output", field(job, "output_dir")), ("pid", field(job, "pid")),
         ("progress", inference_progress(job)),
         *([("front door", _frontdoor_text(job) or "-")] if field(job, "kind") == "online" else []),
+        *([("batching", _batching_text(job))] if field(job, "kind") == "online" else []),
         ("message", field(job, "message") or "-"),
     ])
     instances = render_table(["cpus", "threads", "max batch", "on training"],
@@ -187,6 +255,17 @@ def _frontdoor_text(job) -> str | None:
     if per_request:
         text += f", {per_request:g} ms of cpu per request: about {1000 / per_request:,.0f} requests/s at most"
     return text
+
+
+def _batching_text(job) -> str:
+    """Whether the job merges requests into batches, and why (not)."""
+    status = field(job, "status") or {}
+    batchable = field(status, "batchable")
+    if batchable is None:
+        return "-"
+    reason = field(status, "batchable_reason") or ""
+    head = "requests merged into batches" if batchable else "one request per run (max_batch_size 0)"
+    return f"{head}: {reason}" if reason else head
 
 
 def _precision_text(job) -> str:

@@ -33,6 +33,7 @@ def render_status(node, training_jobs, inference_jobs) -> str:
             ("free cores", field(node, "free_cores")),
             ("cgroup", f"v{field(node, 'cgroup_version')}"),
             ("rt throttling", rt_text),
+            ("rt budget", render_rt_budget(field(node, "rt_budget"))),
             ("offline sched", field(node, "offline_sched")),
             ("gpus", field(node, "gpus", 0)),
         ]),
@@ -45,6 +46,19 @@ def render_status(node, training_jobs, inference_jobs) -> str:
         render_inference_table(inference_jobs),
     ]
     return "\n".join(lines)
+
+
+def render_rt_budget(budget) -> str:
+    """The RT budget pools and who holds what, on one line (cgroup v1 with RT group scheduling)."""
+    if budget is None:
+        return "-"
+    if not field(budget, "enabled"):
+        return "not needed on this host (no RT group scheduling)"
+    pools = (f"cap {field(budget, 'cap_us')} us: root/admins {field(budget, 'privileged_pool_us')} us, "
+             f"users {field(budget, 'user_pool_us')} us ({field(budget, 'user_percent')}%)")
+    held = [f"{field(j, 'job')} (uid {field(j, 'owner_uid')}, {field(j, 'pool')}) {field(j, 'budget_us')} us"
+            for j in field(budget, "jobs", []) or []]
+    return pools + ("; held: " + ", ".join(held) if held else "; none held")
 
 
 def render_training_table(jobs) -> str:

@@ -8,6 +8,7 @@ import math
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -72,14 +73,55 @@ def register(cli: click.Group) -> None:
 # --------------------------------------------------------------------------------------- shared helpers
 
 
-def default_cache_dir() -> str:
-    """Where profiles are cached: the agent's default profile dir when we may write it, else the user's cache."""
+@dataclass
+class AgentView:
+    """What the agent the CLI talks to says about the node, for measuring beside it (None fields: no agent)."""
+
+    profile_dir: str | None = None
+    reserved_cpus: list[int] | None = None
+    busy_cpus: frozenset[int] = frozenset()  # training's cpus and online jobs' instances: never measured on
+    answered: bool = False
+
+
+def agent_view(cli: CliContext) -> AgentView:
+    """Ask the agent on the CLI's socket (briefly); an agent that does not answer leaves the defaults."""
+    from reamer.api.client import ApiClient
+    from reamer.host.errors import ReamerError
+
+    if not os.path.exists(cli.socket_path):
+        return AgentView()
+    try:
+        with ApiClient(cli.socket_path, timeout=10.0) as client:
+            node = client.node()
+            online = [c for job in client.list_inference_jobs() if job.kind == "online" for i in job.instances
+                      for c in i.cpus]
+    except ReamerError:
+        return AgentView()
+    return AgentView(node.profile_dir, list(node.reserved_cpus), frozenset(node.training_cpus) | frozenset(online),
+                     answered=True)
+
+
+def _writable(directory: str) -> bool:
+    path = Path(directory)
+    while not path.exists():  # where it would be created
+        path = path.parent
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def default_cache_dir(agent: AgentView | None = None, instance: str | None = None) -> str:
+    """Where profiles are cached: REAMER_PROFILE_DIR; else the profile cache of the agent the CLI talks to (the one
+    it reports, or, with no agent answering, --instance's default) when we may write it; else the user's cache."""
     env = os.environ.get("REAMER_PROFILE_DIR")
     if env:
         return env
-    agent_dir = Path("/var/lib/reamer/profiles")
-    if os.geteuid() == 0 and (agent_dir.exists() or os.access(agent_dir.parent.parent, os.W_OK)):
-        return str(agent_dir)
+    if agent is not None and agent.profile_dir:
+        agent_dir = agent.profile_dir
+    else:
+        from reamer.agent.config import instance_defaults
+
+        agent_dir = str(Path(instance_defaults(instance)["state_dir"]) / "profiles")
+    if _writable(agent_dir):
+        return agent_dir
     return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "reamer" / "profiles")
 
 
@@ -105,9 +147,10 @@ def checked_samples(model_path: str, shapes: tuple[str, ...], input_data: str | 
     return samples
 
 
-def choose_cpus(n_cores: int | None, cpus_text: str | None) -> list[int]:
+def choose_cpus(n_cores: int | None, cpus_text: str | None, busy: frozenset[int] = frozenset()) -> list[int]:
     """The CPUs to measure on: --cpus, else whole physical cores from the far end of the machine
-    (away from CPU 0, where the OS and the agent live), within this process's affinity."""
+    (away from CPU 0, where the OS and the agent live), within this process's affinity, and on none of `busy`
+    (cores the agent gave training or online jobs: measuring there would slow them and be slowed)."""
     allowed = set(os.sched_getaffinity(0))
     if cpus_text is not None:
         cpus = cpulist_option_value(cpus_text)
@@ -121,10 +164,16 @@ def choose_cpus(n_cores: int | None, cpus_text: str | None) -> list[int]:
         return cpus[:n_cores] if n_cores is not None else cpus
     from reamer.host.topology import read_topology
 
-    cores = [core for core in read_topology().physical_cores() if set(core) <= allowed]
+    usable = [core for core in read_topology().physical_cores() if set(core) <= allowed]
+    cores = [core for core in usable if not set(core) & busy]
     wanted = len(cores) if n_cores is None else n_cores
+    held = f" ({len(usable) - len(cores)} more are held by the agent's training or online jobs)" \
+        if len(cores) < len(usable) else ""
+    if not cores:
+        raise BadInput(f"no physical core is available here to measure on{held}",
+                       "wait until cores are free, or name cores with --cpus LIST to measure there anyway")
     if wanted > len(cores):
-        raise BadInput(f"--cores {n_cores} is more than the {len(cores)} physical cores available here",
+        raise BadInput(f"--cores {n_cores} is more than the {len(cores)} physical cores available here{held}",
                        f"use --cores {len(cores)} or fewer")
     # one CPU per physical core: threads = cores, like the layouts the agent deploys
     return sorted(core[0] for core in cores[len(cores) - wanted:])
@@ -162,7 +211,7 @@ def profile(cli: CliContext, model: str, backend: str, cpus_text: str | None, ba
     with tempfile.TemporaryDirectory(prefix="reamer-profile-") as workdir:
         model_path = resolve_model(model, workdir)
         samples = checked_samples(model_path, shapes, input_data)
-        cpus = choose_cpus(None, cpus_text)
+        cpus = choose_cpus(None, cpus_text, agent_view(cli).busy_cpus)
         result = characterise(model_path, backend=backend, cpus=cpus, batches=batch_list, warmup_s=warmup_s,
                               window_s=window_s, max_windows=max_windows, samples=samples, precision=precision)
         result.model = model if not os.path.isfile(model) else os.path.abspath(model)
@@ -305,7 +354,12 @@ def write_plot(path: str, data: dict, rows: list[MeasurementRow]) -> None:
 @click.option("--csv", "csv_path", default=None, metavar="FILE", help="Write every measurement as CSV.")
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png", help="Write a plot of the measurements.")
 @click.option("--cache-dir", default=None, metavar="DIR",
-              help="Profile cache (default: the agent's /var/lib/reamer/profiles as root, else ~/.cache).")
+              help="Profile cache (default: that of the agent on --socket/--instance when writable, else "
+                   "~/.cache/reamer/profiles).")
+@click.option("--frontdoor-cpu-ms", type=click.FloatRange(min=0), default=None, metavar="MS",
+              help="With --slo-ms: the front door's cpu per request, charged to layouts that leave it no core of its "
+                   "own (default: 1 ms when the agent reserves no cpu, else 0; the job measures its own: "
+                   "`reamer infer show`).")
 @click.option("--no-cache", is_flag=True, help="Measure everything again; do not read or write the cache.")
 @click.option("--cpus", "cpus_text", default=None, metavar="LIST", help="CPUs to measure on (default: the last N cores).")
 @click.option("--warmup-s", type=click.FloatRange(min=0), default=1.0, show_default=True, help="Warm-up per run.")
@@ -322,7 +376,7 @@ def write_plot(path: str, data: dict, rows: list[MeasurementRow]) -> None:
 @pass_cli
 def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch, top_n, csv_path, plot_path,
            cache_dir, no_cache, cpus_text, warmup_s, window_s, max_windows, verify_windows, budget_s=None,
-           no_budget=False, shapes=(), input_data=None, precision="f32") -> None:
+           no_budget=False, shapes=(), input_data=None, precision="f32", frontdoor_cpu_ms=None) -> None:
     """Find the best layout (instances x cores x batch) for MODEL on N cores, measured on real cores.
 
     --precision bf16 measures OpenVINO computing in bfloat16 (where the CPU supports it) and caches those
@@ -335,8 +389,14 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
     if no_budget and budget_s is not None:
         raise BadInput("--budget-s and --no-budget contradict each other", "give one of them")
     budget = None if no_budget else ("default" if budget_s is None else budget_s)
-    cpus = choose_cpus(cores, cpus_text)
-    cache_dir = None if no_cache else (cache_dir or default_cache_dir())
+    agent = agent_view(cli)
+    cpus = choose_cpus(cores, cpus_text, agent.busy_cpus)
+    cache_dir = None if no_cache else (cache_dir or default_cache_dir(agent, cli.instance))
+    if frontdoor_cpu_ms is None and slo_ms is not None and agent.reserved_cpus == []:
+        from reamer.plan.frontdoor import DEFAULT_FRONTDOOR_CPU_MS  # the agent has no cpu of its own for it
+
+        frontdoor_cpu_ms = DEFAULT_FRONTDOOR_CPU_MS
+    frontdoor_cpu_ms = frontdoor_cpu_ms if slo_ms is not None and frontdoor_cpu_ms else None
     settings = MeasureSettings(warmup_s=warmup_s, window_s=window_s, max_windows=max_windows,
                                verify_windows=verify_windows)
     started = time.monotonic()
@@ -348,7 +408,7 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
             outcome = search_layout(model_path, backend, cpus, slo_ms, cache_dir=cache_dir, exhaustive=exhaustive,
                                     batches=batch_choices(max_batch), settings=settings, top_k=top_n,
                                     progress=progress, cache_source="reamer search", samples=samples,
-                                    precision=precision, budget_s=budget)
+                                    precision=precision, budget_s=budget, frontdoor_cpu_ms=frontdoor_cpu_ms)
         except ProfileCacheUnwritable as error:
             raise BadInput(error.message, "pass a writable --cache-dir, or --no-cache") from None
         finally:
@@ -384,6 +444,8 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
         "complete": outcome.complete,
         "note": outcome.note,
         "cache_dir": cache_dir,
+        # cpu ms per request charged to layouts leaving the front door no core (None: not charged)
+        "frontdoor_cpu_ms": frontdoor_cpu_ms,
     }
     if csv_path:
         write_csv(csv_path, rows)
@@ -400,7 +462,10 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
         extra = [f"measurements written to {csv_path}" if csv_path else "",
                  f"plot written to {plot_path}" if plot_path else "",
                  f"{d['cached_points']} point(s) came from the profile cache {cache_dir}" if d["cached_points"] else "",
-                 f"{d['note']}: give --budget-s SECONDS or --no-budget to search on" if not d["complete"] else ""]
+                 f"{d['note']}: give --budget-s SECONDS or --no-budget to search on" if not d["complete"] else "",
+                 (f"no cpu is reserved for the front door: layouts on all {d['cores']} core(s) are charged its "
+                  f"{d['frontdoor_cpu_ms']:g} ms of cpu per request (--frontdoor-cpu-ms)")
+                 if d.get("frontdoor_cpu_ms") else ""]
         return "\n".join([headline(d), "", table] + [e for e in extra if e])
 
     emit(cli, data, render)

@@ -85,7 +85,8 @@ def demote_all(cli: CliContext, config_path: str | None) -> None:
         from reamer.agent.config import load_config
         from reamer.agent.demote import demote_local
 
-        config = load_config(config_path)
+        # --instance NAME: that agent's cgroup and store (reamer-NAME, /var/lib/reamer-NAME), not the node's one
+        config = load_config(config_path, {"instance": cli.instance} if cli.instance else None)
         click.echo("agent unreachable: demoting locally", err=True)
         result = demote_local(cgroup_root=config.cgroup_root, name=config.cgroup_name,
                               store_path=str(config.store_path))

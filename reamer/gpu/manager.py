@@ -30,6 +30,7 @@ from reamer.gpu.errors import GpuError, LimitError, MpsError, NoGpuDriver, Unkno
 from reamer.gpu.eviction import EvictionResult, execute_eviction, process_alive
 from reamer.gpu.mps import MpsDaemon, ServerInfo, find_control_binary, pinned_mem_env
 from reamer.gpu.nvml import GpuInfo, GpuSample, Nvml
+from reamer.host.identity import ProcessIdentity, is_running, start_time
 
 try:  # the project's one atomic-write helper
     from reamer.serve.spec import write_atomic
@@ -108,11 +109,18 @@ class GpuJob:
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     owner_uid: int = 0  # who registered it (the API caller); only it or root may change or remove it
+    # pid -> start time (field 22 of /proc/PID/stat) when it was registered: the process eviction and fault
+    # handling may signal. A pid without one, or whose process now has another start time, is not the job's.
+    pid_starts: dict[int, int] = field(default_factory=dict)
+
+    def identities(self) -> dict[int, ProcessIdentity | None]:
+        return {p: ProcessIdentity(p, self.pid_starts[p]) if p in self.pid_starts else None for p in self.pids}
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "gpu_uuid": self.gpu_uuid, "kind": self.kind, "desired": asdict(self.desired),
                 "issued": [{"boot_ts": i.boot_ts, "limits": asdict(i.limits)} for i in self.issued],
-                "pids": self.pids, "state": self.state, "message": self.message,
+                "pids": self.pids, "pid_starts": {str(p): s for p, s in self.pid_starts.items()},
+                "state": self.state, "message": self.message,
                 "created_at": self.created_at, "updated_at": self.updated_at, "owner_uid": self.owner_uid}
 
     @classmethod
@@ -121,7 +129,8 @@ class GpuJob:
                    issued=[IssuedLimits(i["boot_ts"], Limits(**i["limits"])) for i in d.get("issued", [])],
                    pids=list(d.get("pids", [])), state=d.get("state", "registered"), message=d.get("message", ""),
                    created_at=d.get("created_at", time.time()), updated_at=d.get("updated_at", time.time()),
-                   owner_uid=int(d.get("owner_uid", 0)))
+                   owner_uid=int(d.get("owner_uid", 0)),
+                   pid_starts={int(p): int(s) for p, s in (d.get("pid_starts") or {}).items()})
 
 
 @dataclass
@@ -292,9 +301,11 @@ class GpuManager:
     # ================================================================== jobs
 
     def register_job(self, name: str, gpu: str | int, sm_percent: int, mem_limit_mb: int | None = None,
-                     kind: JobKind = "training", pids: list[int] | None = None, owner_uid: int = 0) -> dict[str, Any]:
+                     kind: JobKind = "training", pids: list[int] | None = None, owner_uid: int = 0,
+                     pid_starts: dict[int, int] | None = None) -> dict[str, Any]:
         """Register a GPU job and return its view, including `env` to launch it with. Everything is
-        validated before anything changes: a refused request leaves no trace."""
+        validated before anything changes: a refused request leaves no trace. `pid_starts`: the start
+        time of each pid as the caller checked it (missing ones are read now)."""
         with self._lock:
             self._validate_name(name)
             new_pids = _valid_pids(pids) if pids else []
@@ -311,7 +322,7 @@ class GpuManager:
                                "admitted", "wait until `reamer gpu status` shows it healthy, or use another GPU")
             job = GpuJob(name, rt.info.uuid, kind, limits, owner_uid=owner_uid)
             job.issued.append(IssuedLimits(_boot_clock(), limits))
-            job.pids = new_pids
+            _set_pids(job, new_pids, pid_starts, new=True)
             self._refresh_job(job)
             self._jobs[name] = job
             self._refresh_job(job)
@@ -322,7 +333,8 @@ class GpuManager:
             return self._job_view(job)
 
     def update_job(self, name: str, sm_percent: int | None = None, mem_limit_mb: int | None = None,
-                   pids: list[int] | None = None, clear_mem_limit: bool = False) -> dict[str, Any]:
+                   pids: list[int] | None = None, clear_mem_limit: bool = False,
+                   pid_starts: dict[int, int] | None = None) -> dict[str, Any]:
         """Change desired limits and/or the job's pids. New limits reach the job only when it restarts
         with the returned `env` (pending_restart says so)."""
         with self._lock:
@@ -338,7 +350,7 @@ class GpuManager:
             if limits is not None:
                 self._set_desired(job, limits)
             if new_pids is not None:
-                job.pids = new_pids
+                _set_pids(job, new_pids, pid_starts, new=True)
                 if job.state in ("evicted",) and job.pids:
                     job.state = "registered"
             job.updated_at = time.time()
@@ -475,7 +487,7 @@ class GpuManager:
         """What the job's live processes got from MPS (see the module docstring): (applied limits or
         None, note, limits_state) with limits_state one of not_running / not_connected / applied /
         pending_restart."""
-        live = [p for p in job.pids if process_alive(p)]
+        live = [p for p in job.pids if _job_process_alive(job, p)]
         if not live:
             return None, ("not running: the limits apply when it starts with `env`" if job.state != "evicted"
                           else job.message), "not_running"
@@ -511,7 +523,7 @@ class GpuManager:
         return applied, "; ".join(notes), "not_connected" if unconnected else "applied"
 
     def _refresh_job(self, job: GpuJob) -> None:
-        live = [p for p in job.pids if process_alive(p)]
+        live = [p for p in job.pids if _job_process_alive(job, p)]
         if job.state == "running" and not live:
             job.state = "registered"
         elif job.state == "registered" and live:
@@ -543,7 +555,8 @@ class GpuManager:
             for uuid, rt in self._gpus.items():
                 self._refresh_servers(rt)
             for job in self._jobs.values():
-                job.pids = [p for p in job.pids if process_alive(p)] if job.state != "evicting" else job.pids
+                if job.state != "evicting":
+                    _set_pids(job, [p for p in job.pids if _job_process_alive(job, p)])
                 self._refresh_job(job)
             pol = self.config.policies
             for uuid, rt in self._gpus.items():
@@ -591,7 +604,7 @@ class GpuManager:
 
     def _offline_jobs(self, rt: _GpuRuntime) -> list[GpuJob]:
         return [j for j in self._jobs.values() if j.gpu_uuid == rt.info.uuid and j.kind == "training"
-                and j.state not in ("evicting",) and any(process_alive(p) for p in j.pids)]
+                and j.state not in ("evicting",) and any(_job_process_alive(j, p) for p in j.pids)]
 
     def _complement(self, rt: _GpuRuntime) -> None:
         online = [j for j in self._jobs.values() if j.gpu_uuid == rt.info.uuid and j.kind == "inference"]
@@ -718,7 +731,7 @@ class GpuManager:
     # ---------------------------------------------------------------- eviction
 
     def _start_eviction(self, job: GpuJob, reason: str) -> None:
-        if job.state == "evicting" or not any(process_alive(p) for p in job.pids):
+        if job.state == "evicting" or not any(_job_process_alive(job, p) for p in job.pids):
             return
         job.state = "evicting"
         job.message = f"evicting: {reason}"
@@ -739,11 +752,12 @@ class GpuManager:
             steps = policies.eviction_plan(job.pids, server.pid if server else None, pol.eviction_grace_s,
                                            pol.eviction_kill_after_s, server.clients if server else None)
             job.state = "evicting"
-        # Outside the lock: this waits for processes to exit.
-        result = execute_eviction(steps, daemon.terminate_client if daemon else None)
+            identities = job.identities()
+        # Outside the lock: this waits for processes to exit. Only the registered processes are signalled.
+        result = execute_eviction(steps, daemon.terminate_client if daemon else None, identities=identities)
         with self._lock:
             job.state = "evicted"
-            job.pids = result.survivors
+            _set_pids(job, result.survivors)
             job.message = (f"evicted ({reason}): " + "; ".join(result.log)
                            + (f"; still alive: {result.survivors}" if result.survivors else ""))
             job.updated_at = time.time()
@@ -850,7 +864,7 @@ class GpuManager:
             # Boot-clock stamps from another boot mean nothing now: the newest limits count from boot.
             for j in jobs:
                 j.issued = [IssuedLimits(0.0, j.desired)]
-                j.pids = []
+                _set_pids(j, [])
         self._jobs = {j.name: j for j in jobs}
         self._saved_compute_modes = {k: int(v) for k, v in data.get("compute_modes", {}).items()}
 
@@ -864,6 +878,27 @@ class GpuManager:
         if text != self._last_saved:  # tick() calls this every second: write (and fsync) only changes
             write_atomic(self.jobs_path, text)
             self._last_saved = text
+
+
+def _set_pids(job: GpuJob, pids: list[int], starts: dict[int, int] | None = None, new: bool = False) -> None:
+    """The job's pids, each with the start time of its registered process: the one given (as the caller
+    checked it), else for a `new` registration the one there now, else the one recorded before. A pid
+    without one (it runs nothing) is never signalled."""
+    recorded = {}
+    for pid in pids:
+        start = (starts or {}).get(pid)
+        if start is None:
+            start = start_time(pid) if new else job.pid_starts.get(pid)
+        if start is not None:
+            recorded[pid] = start
+    job.pids = list(pids)
+    job.pid_starts = recorded
+
+
+def _job_process_alive(job: GpuJob, pid: int) -> bool:
+    """The job's registered process at `pid` is running (not another process that took its pid)."""
+    start = job.pid_starts.get(pid)
+    return start is not None and is_running(ProcessIdentity(pid, start)) and process_alive(pid)
 
 
 def _valid_pids(pids: Iterable[Any]) -> list[int]:

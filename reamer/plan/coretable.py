@@ -63,8 +63,9 @@ class CoreTable:
         return len(self.free_cores())
 
     # -- changes -----------------------------------------------------------------------------
-    def allocate(self, job: str, n_cores: int) -> tuple[int, ...]:
-        """Give `job` `n_cores` whole physical cores; all-or-nothing (a refusal changes nothing)."""
+    def allocate(self, job: str, n_cores: int, within: Iterable[int] | None = None) -> tuple[int, ...]:
+        """Give `job` `n_cores` whole physical cores; all-or-nothing (a refusal changes nothing). `within`: only
+        cores all of whose cpus are in it (a cluster scheduler's allocation)."""
         if job in self._jobs:
             raise AllocationError(
                 f"training job {job!r} already holds CPUs {list(self._jobs[job])}",
@@ -75,6 +76,16 @@ class CoreTable:
                 f"training job {job!r} asks for {n_cores!r} cores", "ask for a whole number of cores ≥ 1"
             )
         free = self.free_cores()
+        if within is not None:
+            allowed = set(within)
+            inside = [core for core in free if allowed.issuperset(core)]
+            if n_cores > len(inside):
+                raise AllocationError(
+                    f"training job {job!r} asks for {n_cores} cores inside its allocation (cpus "
+                    f"{sorted(allowed)}), but only {len(inside)} whole free cores of it are not reserved or held",
+                    f"ask for at most {len(inside)} cores, or give the job a larger allocation",
+                )
+            free = inside
         if n_cores > len(free):
             held = sum(1 for core in self._cores if self.training_cpus().intersection(core))
             reserved = sum(1 for core in self._cores if self._reserved.intersection(core))

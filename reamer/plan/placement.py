@@ -23,6 +23,8 @@ class InferenceDemand:
     layout: Layout | None = None  # online: the instances; offline: its largest batch is used
     cores: int | None = None  # online without a layout: one instance on this many cores
     batch: int = 1  # max batch when no layout gives one
+    # Only these cpus (a cluster scheduler's allocation for the job); None: any idle cpu
+    allowed_cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("online", "offline"):
@@ -90,7 +92,7 @@ def place(
     online = [d for d in demands if d.kind == "online"]
     claimed: set[int] = set()
     for position, demand in enumerate(online):
-        available = [cpu for cpu in idle if cpu not in claimed]
+        available = [cpu for cpu in idle if cpu not in claimed and _allowed(demand, cpu)]
         # CPUs lower-priority jobs had, and the priority of the job that had each
         later_held = {
             cpu: rank
@@ -107,7 +109,13 @@ def place(
     offline = [d for d in demands if d.kind == "offline"]
     if offline:
         left = [cpu for cpu in idle if cpu not in claimed]
-        owners = _share_offline(offline, left + training, previous)
+        owners = {}
+        for demand in [d for d in offline if d.allowed_cpus is not None]:  # scoped jobs keep their cpus to themselves
+            owners[demand.job] = [cpu for cpu in left + training if _allowed(demand, cpu)]
+        scoped = {cpu for mine in owners.values() for cpu in mine}
+        shared = [d for d in offline if d.allowed_cpus is None]
+        if shared:
+            owners.update(_share_offline(shared, [c for c in left + training if c not in scoped], previous))
         for demand in offline:
             mine = owners[demand.job]
             if not mine:
@@ -118,6 +126,10 @@ def place(
                 for cpu in mine
             ]
     return result
+
+
+def _allowed(demand: InferenceDemand, cpu: int) -> bool:
+    return demand.allowed_cpus is None or cpu in demand.allowed_cpus
 
 
 def _cpus_in(instances: Iterable[PlacedInstance]) -> list[int]:

@@ -10,6 +10,11 @@ Runtime's; "bf16" lets OpenVINO compute in bfloat16 where the CPU supports it (i
 CPUs). OpenVINO falls back to f32 silently where the CPU has no bf16, so a backend reports the precision
 it actually runs (`Backend.precision`), read back from the compiled model, never the one asked for.
 ONNX Runtime's CPU provider has no bf16 path: it always computes in f32.
+
+String (BYTES) tensors are numpy object arrays of str, served with ONNX Runtime (OpenVINO is refused for them,
+see reamer.serve.model_types). ONNX Runtime sessions register onnxruntime-extensions' custom-op library when
+that package is installed, and the libraries named in REAMER_CUSTOM_OP_LIBRARIES (the agent sets it from
+inference.custom_op_libraries).
 """
 from __future__ import annotations
 
@@ -20,17 +25,25 @@ from typing import Any
 import numpy as np
 
 from reamer.host.errors import ReamerError
+from reamer.serve.model_types import CUSTOM_OP_LIBRARIES_ENV, custom_op_libraries, extensions_library
 from reamer.serve.spec import DEFAULT_PRECISION, PRECISION_FIX, PRECISIONS
-from reamer.serve.tensors import TensorInfo, numpy_to_v2, ort_type_to_v2, v2_to_numpy
+from reamer.serve.tensors import (BadBytesTensor, TensorInfo, UnsupportedDatatype, as_text_array, numpy_to_v2,
+                                  ort_type_to_v2, v2_to_numpy)
 
-__all__ = ["BACKENDS", "DEFAULT_PRECISION", "PRECISIONS", "Backend", "BackendError", "TensorInfo",
-           "check_precision", "compute_precision", "effective_precision", "open_backend", "sample_inputs"]
+__all__ = ["BACKENDS", "CUSTOM_OP_LIBRARIES_ENV", "DEFAULT_PRECISION", "PRECISIONS", "Backend", "BackendError",
+           "TensorInfo", "UnservableModel", "check_precision", "compute_precision", "custom_op_libraries",
+           "effective_precision", "extensions_library", "open_backend", "sample_inputs"]
 
 BACKENDS: tuple[str, ...] = ("onnxruntime", "openvino")
 
 
 class BackendError(ReamerError):
     """A backend cannot be opened, or a request does not fit the model."""
+
+
+class UnservableModel(BackendError):
+    """A model the backend opens but cannot serve as it is (an input or output that is not a tensor, a custom
+    operator no loaded library provides, ...): its fix is exact, and another backend is no answer."""
 
 
 def check_precision(value: object) -> str:
@@ -115,6 +128,12 @@ class Backend(ABC):
                         "give every input the same first (batch) dimension")
                 batch = arr.shape[0]
             want = v2_to_numpy(info.datatype)
+            if info.datatype == "BYTES":  # the runtime takes str: bytes decoded, numpy 'U'/'S' arrays converted
+                try:
+                    checked[info.name] = as_text_array(arr, f"input {info.name!r}")
+                except BadBytesTensor as exc:
+                    raise BackendError(exc.message, exc.fix) from None
+                continue
             if arr.dtype != want:
                 if not np.can_cast(arr.dtype, want, casting="same_kind") and not (
                         arr.dtype.kind in "iub" and want.kind in "iuf"):
@@ -139,14 +158,28 @@ class OnnxRuntimeBackend(Backend):
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
         opts.log_severity_level = 3  # errors only: shape-merge warnings are noise here
+        libraries = custom_op_libraries()
+        for library in libraries:
+            try:
+                opts.register_custom_ops_library(library)
+            except Exception as exc:  # noqa: BLE001 - ORT's own Fail type
+                raise BackendError(f"ONNX Runtime cannot load the custom-op library {library}: {exc}",
+                                   "fix or remove that path in the agent config's inference.custom_op_libraries "
+                                   f"(or {CUSTOM_OP_LIBRARIES_ENV}), or reinstall onnxruntime-extensions") from None
         try:
             self._session = ort.InferenceSession(model_path, sess_options=opts, providers=["CPUExecutionProvider"])
         except Exception as exc:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
+            from reamer.serve.model_types import locale_problem, unregistered_op_problem
+
+            text = str(exc)
+            problem = unregistered_op_problem(text, model_path, libraries) or locale_problem(text)
+            if problem is not None:
+                raise UnservableModel(problem.message, problem.fix) from None
             raise BackendError(f"ONNX Runtime cannot load {model_path}: {exc}",
                                "check that the file is a valid ONNX model (reamer models build NAME --out FILE)") from None
         self.model_path, self.threads = model_path, threads
-        self.inputs = [TensorInfo(i.name, ort_type_to_v2(i.type), _dims(i.shape)) for i in self._session.get_inputs()]
-        self.outputs = [TensorInfo(o.name, ort_type_to_v2(o.type), _dims(o.shape)) for o in self._session.get_outputs()]
+        self.inputs = [_ort_info("input", i) for i in self._session.get_inputs()]
+        self.outputs = [_ort_info("output", o) for o in self._session.get_outputs()]
         self._output_names = [o.name for o in self.outputs]
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -222,6 +255,13 @@ class OpenVinoBackend(Backend):
         # compiling may add fused-node names to a port; the read model keeps the file's names, in order
         self.inputs = [_ov_info(p.get_any_name(), p) for p in model.inputs]
         self.outputs = [_ov_info(p.get_any_name(), p) for p in model.outputs]
+        for kind, infos in (("input", self.inputs), ("output", self.outputs)):
+            for info in infos:
+                if info.datatype == "BYTES":
+                    from reamer.serve.model_types import openvino_strings_problem
+
+                    problem = openvino_strings_problem(kind, info.name)
+                    raise UnservableModel(problem.message, problem.fix)
         self._config = {
             props.inference_num_threads(): threads,
             props.hint.enable_cpu_pinning(): False,
@@ -282,6 +322,18 @@ def _precision_name(element_type: Any) -> str:
     return names.get(element_type, str(element_type))
 
 
+def _ort_info(kind: str, port: Any) -> TensorInfo:
+    """An ONNX Runtime input or output as a TensorInfo; UnservableModel when it has no v2 datatype."""
+    from reamer.serve.model_types import element_problem, not_a_tensor
+
+    try:
+        return TensorInfo(port.name, ort_type_to_v2(port.type), _dims(port.shape))
+    except UnsupportedDatatype:
+        problem = (element_problem(kind, port.name, port.type) if port.type.startswith("tensor(")
+                   else not_a_tensor(kind, port.name, port.type, False))
+        raise UnservableModel(problem.message, problem.fix) from None
+
+
 def _dims(shape: list) -> list[int]:
     return [d if isinstance(d, int) and d >= 0 else -1 for d in shape]
 
@@ -289,7 +341,14 @@ def _dims(shape: list) -> list[int]:
 def _ov_info(name: str, port: Any) -> TensorInfo:
     ps = port.get_partial_shape()
     dims = [d.get_length() if d.is_static else -1 for d in ps] if ps.rank.is_static else []
-    return TensorInfo(name, numpy_to_v2(port.get_element_type().to_dtype()), dims)
+    try:
+        datatype = numpy_to_v2(port.get_element_type().to_dtype())
+    except (UnsupportedDatatype, RuntimeError, TypeError):  # an element type numpy or v2 has no name for
+        from reamer.serve.model_types import element_problem
+
+        problem = element_problem("tensor", name, str(port.get_element_type()))
+        raise UnservableModel(problem.message, problem.fix) from None
+    return TensorInfo(name, datatype, dims)
 
 
 def open_backend(kind: str, model_path: str | os.PathLike, threads: int, streams: int = 1,

@@ -1,17 +1,22 @@
 """The online front door: Open Inference Protocol (KServe v2) REST over the dynamic batcher.
 
 Endpoints: GET /v2, /v2/health/live, /v2/health/ready, /v2/models/{name}[/versions/{v}],
-/v2/models/{name}[/versions/{v}]/ready, POST /v2/models/{name}[/versions/{v}]/infer.
+/v2/models/{name}[/versions/{v}]/ready, POST /v2/models/{name}[/versions/{v}]/infer, and Triton's
+GET /v2/models/{name}[/versions/{v}]/config (model_config.py) and /v2/models[/{name}[/versions/{v}]]/stats
+(model_stats.py).
 Infer takes JSON tensors and the binary tensor data extension: when the request has the header
 `Inference-Header-Content-Length: N`, the first N body bytes are the JSON header and the raw tensors
 follow, in input order, for every input with `parameters.binary_data_size`. Outputs go back binary
 when the requested output says `parameters.binary_data: true`, or the request says
 `parameters.binary_data_output: true`; the response then carries the same header.
+BYTES (string) tensors come as JSON strings in `data`, or binary in Triton's layout (each element a 4-byte
+little-endian length and its bytes, `binary_data_size` their total); elements must be UTF-8 text (the runtime
+holds strings). Outputs go back the same two ways.
 An infer request whose outputs all go binary and that runs in a batch of its own is answered by its
 instance on the client's socket (reply-through, see `V2App.handle` and `v2wire`); the rest by this process.
 Errors are `{"error": "message"}`: 400 bad input (the message names the field), 404 unknown model or
 path, 405 wrong method, 408 headers or body too slow, 413 request too large, 414 URL too long, 431 headers
-too large, 503 overloaded / not ready / too many connections or buffered bodies. Every infer response carries a W3C `Server-Timing`
+too large, 500 a model fault (its answer could not be handed back), 503 overloaded / not ready / too many connections or buffered bodies. Every infer response carries a W3C `Server-Timing`
 header: queue wait, backend compute and the whole time in the job (ms).
 
 The HTTP/1.1 layer is a small asyncio protocol over httptools (the C parser uvicorn uses), not an
@@ -48,9 +53,11 @@ import numpy as np
 import orjson
 
 from reamer.host.errors import ReamerError
-from reamer.serve.batcher import DynamicBatcher, NotReady, Overloaded, RequestTiming
+from reamer.serve.batcher import DynamicBatcher, ModelFault, NotReady, Overloaded, RequestTiming
 from reamer.serve.json_body import FloatData, read_large_request
-from reamer.serve.tensors import TensorInfo, UnsupportedDatatype, numpy_to_v2, v2_to_numpy
+from reamer.serve.model_config import model_config
+from reamer.serve.tensors import (BadBytesTensor, TensorInfo, UnsupportedDatatype, numpy_to_v2, split_length_prefixed,
+                                   text_tensor, text_values, v2_to_numpy)
 from reamer.serve.v2wire import (HEADER_LENGTH, SERVER_NAME, SERVER_VERSION, ReplyPlan, binary_body, http_head,
                                   le_bytes, server_timing)
 from reamer.serve.worker import InferenceFailed, Replied, ReplyBroken, WorkerError
@@ -178,6 +185,29 @@ def _json_tensor(data: Any, dtype: np.dtype, where: str, datatype: str) -> np.nd
     return raw.astype(dtype, copy=False)
 
 
+def _json_text(data: Any, where: str) -> np.ndarray:
+    """The flat object array of str of a BYTES input's JSON `data` (a flat or evenly nested list of strings)."""
+    fix = 'send BYTES data as a flat or evenly nested list of strings, e.g. "data": ["first", "second"]'
+    if not isinstance(data, list):
+        raise BadRequest(f"{where}.data is {_kind(data)}, not a list", fix)
+    try:
+        flat = np.array(data, dtype=object).reshape(-1)
+    except ValueError:
+        raise BadRequest(f"{where}.data holds nested lists of uneven length", fix) from None
+    for value in flat.tolist():
+        if not isinstance(value, str):  # a number, or a list where uneven nesting left one
+            raise BadRequest(f"{where}.data holds {_kind(value)} where a string belongs", fix)
+    return flat
+
+
+def _binary_text(raw: memoryview, count: int, shape: list[int], where: str) -> np.ndarray:
+    """A BYTES input sent binary (Triton's layout: a 4-byte little-endian length before each element)."""
+    try:
+        return text_tensor(split_length_prefixed(raw, count, where), shape, where)
+    except BadBytesTensor as exc:
+        raise BadRequest(exc.message, exc.fix) from None
+
+
 def decode_request(body: bytes, header_length: int | None, model_inputs: list[TensorInfo],
                    model_outputs: list[TensorInfo], plans: dict[bytes, RequestPlan] | None = None,
                    max_elements: int | None = None) -> DecodedRequest:
@@ -216,7 +246,7 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
         raise BadRequest(f"id is {_kind(req_id)}, not a string", 'send the request id as a string, e.g. "id": "42"')
     by_name = {t.name: t for t in model_inputs}
     inputs: dict[str, np.ndarray] = {}
-    binary: list[_BinaryInput] = []
+    binary: list[_BinaryInput | None] = []  # None: a BYTES input
     offset = 0
     for i, item in enumerate(req["inputs"]):
         where = f"inputs[{i}]"
@@ -248,15 +278,23 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
             dtype = v2_to_numpy(datatype)
         except UnsupportedDatatype as exc:
             raise BadRequest(exc.message, exc.fix) from None
-        if dtype == np.object_:
-            raise BadRequest(f"{where} is BYTES, which reamer does not serve", "use a numeric input")
         count = math.prod(shape)
         if max_elements is not None and (count > max_elements or any(d > max_elements for d in shape)):
             raise BadRequest(f"{where} has shape {shape}, {count} values: more than this job takes in one request "
                              f"({max_elements} values, its max_request_mb)",
                              "send fewer or smaller samples per request, or raise the job's max_request_mb")
         params = _object(item.get("parameters"), f"{where}.parameters")
-        if "binary_data_size" in params:
+        if "binary_data_size" in params and dtype == np.object_:  # BYTES: a length before each element
+            size = params["binary_data_size"]
+            if not isinstance(size, int) or isinstance(size, bool) or not 4 * count <= size <= len(blob) - offset:
+                raise BadRequest(f"{where}: binary_data_size is {size!r}, but the body has {len(blob) - offset} "
+                                 f"binary bytes left and {count} BYTES element(s) need at least {4 * count}",
+                                 "send each element as a 4-byte little-endian length and its bytes, and set "
+                                 "binary_data_size to their total")
+            arr = _binary_text(blob[offset:offset + size], count, shape, where)
+            offset += size
+            binary.append(None)  # not cacheable as a RequestPlan: element sizes vary
+        elif "binary_data_size" in params:
             size = params["binary_data_size"]
             want = count * dtype.itemsize
             if not isinstance(size, int) or isinstance(size, bool) or size != want:
@@ -273,7 +311,8 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
             if "data" not in item:
                 raise BadRequest(f"{where} has neither data nor binary_data_size",
                                  'add "data" (flat or nested list) or send it binary')
-            arr = _json_tensor(item["data"], dtype, where, datatype)
+            arr = (_json_text(item["data"], where) if dtype == np.object_
+                   else _json_tensor(item["data"], dtype, where, datatype))
             if arr.size != count:
                 raise BadRequest(f"{where}: {arr.size} values do not fill shape {shape} ({count} values)",
                                  "send as many values as the shape holds")
@@ -285,10 +324,7 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
     if missing:
         raise BadRequest(f"missing input(s) {missing}; the model expects inputs: {describe_tensors(model_inputs)}",
                          "send every model input")
-    batches = {a.shape[0] for a in inputs.values() if a.ndim}
-    if len(batches) > 1:
-        raise BadRequest(f"inputs disagree on the batch size (first axis): {sorted(batches)}",
-                         "give every input the same first dimension")
+    # the batch size's agreement is the batcher's to check: only a batchable model's first dims are its batch
     params = _object(req.get("parameters"), "parameters")
     binary_default = _flag(params, "binary_data_output", "parameters", False)
     outputs = None
@@ -307,7 +343,7 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
                                  f"{describe_tensors(model_outputs)}", "ask only for outputs from GET /v2/models/<name>")
             oparams = _object(out.get("parameters"), f"outputs[{i}].parameters")
             outputs.append((oname, _flag(oparams, "binary_data", f"outputs[{i}].parameters", binary_default)))
-    if plans is not None and req_id is None and len(binary) == len(inputs):
+    if plans is not None and req_id is None and len(binary) == len(inputs) and None not in binary:
         if len(plans) >= PLAN_CACHE_SIZE:
             plans.clear()
         plans[bytes(head)] = RequestPlan(tuple(binary), len(blob), outputs, binary_default)
@@ -318,6 +354,8 @@ def decode_request(body: bytes, header_length: int | None, model_inputs: list[Te
 def _json_data(arr: np.ndarray) -> Any:
     """A tensor's values for a JSON `data` list; orjson writes numpy arrays itself (no Python list)."""
     flat = np.ascontiguousarray(arr).reshape(-1)
+    if flat.dtype.kind in "OSU":
+        return text_values(flat)  # BYTES: strings (a bytes element decoded; binary_data carries it exactly)
     if flat.dtype.byteorder == ">" or flat.dtype.kind not in "biuf":
         return flat.tolist()
     return flat
@@ -485,14 +523,16 @@ class V2App:
         if parts[:1] != ["v2"]:
             return _error(404, f"no endpoint {path}; this server speaks the Open Inference Protocol under /v2")
         route, name = parts[1:], None
-        if route[:1] == ["models"] and len(route) >= 2:
+        if route == ["models", "stats"]:  # Triton's statistics of every model (this one)
+            route = ["models", "stats"]
+        elif route[:1] == ["models"] and len(route) >= 2:
             name, rest = unquote(route[1]), route[2:]
             if rest[:1] == ["versions"] and len(rest) >= 2:
                 rest = rest[2:]
             route = ["models", *rest]
         want = "POST" if route == ["models", "infer"] else "GET"
         if route not in (["health", "live"], ["health", "ready"], [], ["models"], ["models", "ready"],
-                         ["models", "infer"]):
+                         ["models", "infer"], ["models", "config"], ["models", "stats"]):
             return _error(404, f"no endpoint {path}; see GET /v2/models/{self.model_name} for this model")
         if method != want:
             return _error(405, f"{path} takes {want}, not {method}", allow=want)
@@ -503,14 +543,20 @@ class V2App:
         if route == ["health", "ready"]:
             if self.batcher.all_ready():
                 return _json(200, {"ready": True})
-            return _error(503, f"{self.batcher.ready_count()} of {len(self.batcher.workers)} instances are ready")
+            return _error(503, self.batcher.not_ready_reason())
         if not route:
-            return _json(200, {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": ["binary_tensor_data"]})
+            return _json(200, {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": ["binary_tensor_data", "model_configuration", "statistics"]})
         if route == ["models", "ready"]:
             if self.batcher.all_ready():
                 return _json(200, {"name": name, "ready": True})
-            return _error(503, f"model {name!r} is not ready: {self.batcher.ready_count()} of "
-                               f"{len(self.batcher.workers)} instances ready")
+            return _error(503, f"model {name!r} is not ready: {self.batcher.not_ready_reason()}")
+        if route == ["models", "stats"]:  # Triton's statistics extension
+            return _json(200, {"model_stats": [self.batcher.model_stats.to_doc(self.model_name)]})
+        if route == ["models", "config"]:  # Triton's model configuration (model_config.py)
+            config = model_config(self.model_name, self.platform, self.batcher, self.limits.max_request_bytes)
+            if config is None:
+                return _error(503, f"model {name!r} is still loading; retry in a few seconds")
+            return _json(200, config)
         sig = self.batcher.signature()
         if sig is None:
             return _error(503, f"model {name!r} is still loading; retry in a few seconds")
@@ -559,6 +605,8 @@ class V2App:
             return Reply(200, b"", sent=True, close=True)
         except InferenceFailed as exc:  # the runtime refused these inputs: the client's to fix
             return _error(400, str(exc))
+        except ModelFault as exc:  # the model's answer could not be handed back: not the client's fault
+            return _error(500, str(exc))
         except (Overloaded, NotReady, WorkerError) as exc:
             return _error(503, str(exc))
         finally:

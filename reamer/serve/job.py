@@ -69,7 +69,7 @@ class Job:
             self.status.write(self.run_dir)
         except OSError as exc:  # a full disk must not kill serving
             print(f"reamer job {self.spec.name}: cannot write status: {exc}", file=sys.stderr)
-        bound_log(2, int(self.spec.log_max_mb * 2**20))  # job.log: copied to job.log.1 past it
+        bound_log(2, int(self.spec.log_max_mb * 2**20), self.run_dir)  # job.log: copied to job.log.1 past it
 
     def _fail(self, message: str) -> int:
         self.status.state = "failed"
@@ -165,14 +165,17 @@ class Job:
         stats = RequestStats(spec.slo_ms)
         door_load = FrontDoorLoad(stats.window_s)
         overload = OverloadDetector(spec.rate_rps, sustain_s=OVERLOAD_SUSTAIN_S)
-        batcher = DynamicBatcher(spec.slo_ms, stats, name=spec.name)
+        # a fault in the batch path is logged by the batcher and recorded here as an event
+        batcher = DynamicBatcher(spec.slo_ms, stats, name=spec.name,
+                                 on_fault=lambda kind, message: self._event(kind, message))
         platform = "onnxruntime_onnx" if spec.backend == "onnxruntime" else "openvino"
         limits = DoorLimits.from_settings(spec.max_request_mb, spec.frontdoor)
         door = FrontDoor(V2App(spec.name, batcher, platform, limits), spec.host, spec.port or 0)
         self.status.port = door.port
         # gRPC beside REST (Open Inference Protocol's gRPC form), over the same batcher and limits
-        grpc_door = GrpcFrontDoor(GrpcV2Service(spec.name, batcher, platform), spec.host, spec.grpc_port or 0,
-                                  max_request_bytes=limits.max_request_bytes, limits=limits)
+        grpc_door = GrpcFrontDoor(GrpcV2Service(spec.name, batcher, platform, limits.max_request_bytes), spec.host, spec.grpc_port or 0,
+                                  max_request_bytes=limits.max_request_bytes, limits=limits,
+                                  budget_ledger=door)  # one max_buffered_mb for both doors
         self.status.grpc_port = await grpc_door.start()
         self._write_status()  # the ports are known now, before the workers are up
         serving = {"front door": loop.create_task(door.serve()),
@@ -209,6 +212,7 @@ class Job:
             st.p50_ms, st.p99_ms, st.slo_attainment = snap.p50_ms, snap.p99_ms, snap.slo_attainment
             st.state = "ready" if ready == len(self.workers) else "starting"
             st.precision = self._effective_precision()
+            self._note_batchability(batcher.batchability())
             down = [w.last_error for w in self.workers if not w.ready and w.last_error]
             st.message = f"{ready} of {len(self.workers)} instances ready" + (f"; {down[0]}" if down else "")
             load = door_load.update(time.monotonic(), time.process_time(), snap.requests + snap.shed)
@@ -244,6 +248,15 @@ class Job:
         self.status.message = f"stopped by {self._stop_reason}"
         self._write_status()
         return 0
+
+    def _note_batchability(self, verdict) -> None:
+        """Status fields and, when it changes, an event: whether requests are merged (batchability.py)."""
+        if verdict is None or (self.status.batchable, self.status.batchable_reason) == (verdict.batchable,
+                                                                                        verdict.reason):
+            return
+        self.status.batchable, self.status.batchable_reason = verdict.batchable, verdict.reason
+        how = "requests are merged into batches" if verdict.batchable else "each request runs alone (not batchable)"
+        self._event("batching", f"job {self.spec.name}: {how}: {verdict.reason}", batchable=verdict.batchable)
 
     async def _reload_online(self, batcher, stats, overload) -> None:
         try:

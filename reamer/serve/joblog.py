@@ -2,8 +2,9 @@
 
 The job, its instance workers and native libraries all write to the same open file (fd 2, O_APPEND),
 so the file cannot be renamed away from under them; it is copied to `job.log.1` and truncated in place
-(logrotate's copytruncate). Every writer appends at the new end. Lines written between the copy and the
-truncation are lost, which is the price of not coordinating with native writers.
+(logrotate's copytruncate). Under the agent, job.log sits in a directory only root can write, so the copy
+goes to the job's own directory (`keep_dir`, its io/). Every writer appends at the new end. Lines written
+between the copy and the truncation are lost, which is the price of not coordinating with native writers.
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import os
 import stat
 
 
-def bound_log(fd: int, max_bytes: int) -> bool:
-    """When `fd` is a regular file larger than `max_bytes`, move its content to `<file>.1` (replacing an
-    older one) and truncate it; True when it did. A terminal, pipe or closed fd is left alone."""
+def bound_log(fd: int, max_bytes: int, keep_dir: str | os.PathLike | None = None) -> bool:
+    """When `fd` is a regular file larger than `max_bytes`, move its content to `<file>.1` (in `keep_dir`
+    when given, else beside the file; replacing an older one) and truncate it; True when it did. A terminal,
+    pipe or closed fd is left alone."""
     try:
         st = os.fstat(fd)
     except OSError:
@@ -27,10 +29,11 @@ def bound_log(fd: int, max_bytes: int) -> bool:
     if path.endswith(" (deleted)"):
         os.ftruncate(fd, 0)
         return True
+    kept = os.path.join(os.fspath(keep_dir), os.path.basename(path)) if keep_dir is not None else path
     try:
-        src = os.open(path, os.O_RDONLY)
+        src = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)  # the very file of fd, not whatever is at its path now
         try:
-            tmp = f"{path}.1.tmp-{os.getpid()}"
+            tmp = f"{kept}.1.tmp-{os.getpid()}"
             try:
                 os.unlink(tmp)  # a leftover of a crash; O_EXCL below never writes through a planted link
             except FileNotFoundError:
@@ -45,7 +48,7 @@ def bound_log(fd: int, max_bytes: int) -> bool:
                     left -= sent
             finally:
                 os.close(dst)
-            os.replace(tmp, f"{path}.1")
+            os.replace(tmp, f"{kept}.1")
         finally:
             os.close(src)
         os.ftruncate(fd, 0)

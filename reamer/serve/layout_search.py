@@ -25,6 +25,7 @@ from reamer.plan.online_sim import rank_by_sustained
 from reamer.plan.partition import NEAR_TIE, Candidate, NoFeasibleLayout, ProfilePoint, near_ties
 from reamer.plan.search import (BackendScreen, SearchResult, count_backend_layouts, exhaustive_search,
                                 plan_from_profile, quick_search_backends)
+from reamer.serve.batchability import check_batchability
 from reamer.serve.samples import SampleSpec
 
 if TYPE_CHECKING:
@@ -103,6 +104,9 @@ class LayoutSearchOutcome:
     screens: list[BackendScreen] = field(default_factory=list)  # "auto": what screening said per backend
     points_by_backend: dict[str, list[ProfilePoint]] = field(default_factory=dict)
     batch_target_ms: float | None = None  # online: the batch p99 every layout was judged on (half the SLO)
+    # whether the model may be batched (batchability.py); not batchable: only batch 1 was measured
+    batchable: bool | None = None
+    batchable_reason: str = ""
 
     @property
     def layouts_measured(self) -> int:
@@ -390,6 +394,7 @@ def search_layout(
     drop_margin: float = 0.15,
     precision: str = "f32",
     finals: FinalsSettings | None = FinalsSettings(),
+    frontdoor_cpu_ms: float | None = None,
 ) -> LayoutSearchOutcome:
     """Find the best layout for the model on all of `cpus` (one core per cpu), measured on them. With `slo_ms`
     (an online job's SLO) every layout is judged on its batch p99 against half of it (batch_latency_target_ms).
@@ -402,7 +407,10 @@ def search_layout(
     none for the exhaustive one; None: no budget. `precision`: "f32" or "bf16" (OpenVINO computes in bfloat16 where the CPU supports it;
     part of the cache key). `samples`: the traffic's shapes and data (they are part of the cache key). `finals`: how
     the quick search's leading layouts are run off against each other (FinalsSettings; None: not at all); with an
-    SLO, the finalists are then ranked by the rate each sustains under it, simulated (plan.online_sim). Raises reamer.serve.profiler.ProfileError when a measurement fails (points
+    SLO, the finalists are then ranked by the rate each sustains under it, simulated (plan.online_sim).
+    `frontdoor_cpu_ms` (online, no cpu reserved for the front door): the front door's cpu per request; a layout
+    on every one of `cpus` carries it (plan.frontdoor.charge_candidates) and the best layout leaving it one cpu
+    competes, verified if the budget allows. Raises reamer.serve.profiler.ProfileError when a measurement fails (points
     measured before it are still cached) and, with `strict_cache`, ProfileCacheUnwritable when the
     cache cannot be written (else that is logged and the outcome returned).
     """
@@ -412,6 +420,11 @@ def search_layout(
         raise ValueError("a layout search needs at least one cpu")
     backends = resolve_backends(backend)
     batches = sorted(set(batches))
+    # a model that is not batchable is served one request per run: only instances and threads vary
+    verdict = check_batchability(backends[0], model_path, samples.to_doc() if samples is not None else None)
+    if verdict is not None and not verdict.batchable:
+        log.info("model %s is not batchable (%s): measuring batch 1 only", model_path, verdict.reason)
+        batches = [1]
     n_cores = len(cpus)
     if budget_s == "default":
         budget_s = None if exhaustive else QUICK_BUDGET_S
@@ -443,7 +456,7 @@ def search_layout(
                     per_backend.append((b, found))
                 result = _merge_exhaustive(per_backend, space)
             else:
-                result, screens = quick_search_backends(lambda b, cores, batch: runs[b].measure(cores, batch),
+                result, screens = quick_search_backends(_screened(runs, backends),
                                                         n_cores, target_ms, batches, verify, progress,
                                                         backends=backends, drop_margin=drop_margin,
                                                         top_k=max(top_k, 5))
@@ -519,6 +532,10 @@ def search_layout(
                                             finals, deadline, rows, len(backends) > 1, progress)
         if online and finalists:  # and the finals' figures decide among them
             candidates = by_sustained(candidates[:finalists]) + candidates[finalists:]
+    if frontdoor_cpu_ms:
+        candidates = _with_frontdoor(candidates, frontdoor_cpu_ms, n_cores, target_ms, runs, verify, rows)
+        if online:
+            candidates = by_sustained(candidates)
     best = candidates[0] if candidates and _meets(candidates[0].p99_ms, target_ms) else None
     gain = best.rps / base.throughput_rps if best is not None and base is not None and base.throughput_rps > 0 else None
     chosen = (best.layout.backend if best is not None else None) or backends[0]
@@ -526,8 +543,58 @@ def search_layout(
                                gain=gain, points=runs[chosen].points(), new_points=list(runs[chosen].new_points),
                                from_cache=not any(r.new_points for r in runs.values()), complete=complete, cpus=cpus,
                                batch_target_ms=target_ms,
+                               batchable=verdict.batchable if verdict is not None else None,
+                               batchable_reason=verdict.reason if verdict is not None else "",
                                backend=chosen, backends=backends, screens=screens,
                                points_by_backend={b: r.points() for b, r in runs.items()})
+
+
+def _with_frontdoor(candidates: list[Candidate], cpu_ms: float, n_cores: int, target_ms: float | None,
+                    runs: dict[str, "_Runs"], verify: Callable[[Layout], tuple[float, float]],
+                    rows: list[MeasurementRow]) -> list[Candidate]:
+    """The front door's cpu counted: layouts on all `n_cores` charged; the best one on n_cores − 1 (the last
+    cpu left to the front door) added, measured when the budget allows."""
+    from reamer.plan.frontdoor import charge_candidates
+
+    extra: list[Candidate] = []
+    if n_cores > 1:
+        plan = _plan_from_backends({b: r.points() for b, r in runs.items()}, n_cores - 1, target_ms, 0, len(rows), "")
+        if plan.best is not None and all(format_layout(c.layout.canonical()) != format_layout(
+                plan.best.layout.canonical()) for c in candidates):
+            alt = plan.best if len(runs) > 1 else Candidate(plan.best.layout.on(None), plan.best.predicted_rps,
+                                                              plan.best.predicted_p99_ms)
+            try:
+                rps, p99 = verify(alt.layout)
+                alt = Candidate(alt.layout, alt.predicted_rps, alt.predicted_p99_ms, rps, p99)
+            except _BudgetSpent:
+                pass
+            except ReamerError as exc:  # an extra candidate: its prediction stays, the search's result stands
+                log.warning("layout %s (a core left to the front door) not measured: %s", format_layout(alt.layout),
+                            exc)
+            extra.append(alt)
+    return distinct_layouts(_rank(charge_candidates(candidates, n_cores, cpu_ms) + extra, target_ms))
+
+
+def _screened(runs: dict, backends: list[str]) -> Callable[[str, int, int], ProfilePoint]:
+    """The search's measure, where a backend that cannot run the model at all (OpenVINO and a string or
+    custom-op model) measures nothing (0/s) while another backend still can: screening drops it, with the
+    runtime's reason logged, instead of failing the whole "auto" search. Only the last backend's failure raises."""
+    from reamer.serve.profiler import ProfileError
+
+    failed: dict[str, str] = {}
+
+    def measure(backend: str, cores: int, batch: int) -> ProfilePoint:
+        if backend not in failed:
+            try:
+                return runs[backend].measure(cores, batch)
+            except ProfileError as exc:
+                if len(failed) + 1 >= len(backends):
+                    raise
+                failed[backend] = exc.message
+                log.warning("backend %s cannot run the model; the search goes on without it: %s", backend, exc.message)
+        return ProfilePoint(cores, batch, 0.0, math.inf)
+
+    return measure
 
 
 def _run_finals(candidates: list[Candidate], target_ms: float | None, runs_of: Callable[[Layout], _Runs],

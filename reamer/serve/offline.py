@@ -3,7 +3,8 @@
 Inputs, processed in sorted order: `<stem>.npy` (models with one input; one sample, or a batch with
 the leading batch axis) or `<stem>.npz` (arrays named after the model inputs). For each input the
 runner writes `<output_dir>/<stem>.npz` holding every model output, atomically (temp + fsync +
-rename), so a crash leaves whole results or none. On start it skips inputs whose result exists
+rename), so a crash leaves whole results or none. String (BYTES) tensors are numpy unicode arrays
+('<U..') both ways, read and written without pickles (allow_pickle stays off). On start it skips inputs whose result exists
 and removes temp files a crashed run left behind: finished work is never repeated or lost.
 
 All instances pull files from one shared queue. Each lane reads its next file while its instance
@@ -32,7 +33,7 @@ import numpy as np
 from reamer.host.errors import ReamerError
 from reamer.host.sched import set_nice
 from reamer.serve.spec import append_event, is_temp_file, write_atomic
-from reamer.serve.tensors import TensorInfo, v2_to_numpy
+from reamer.serve.tensors import BadBytesTensor, TensorInfo, as_text_array, storable_text, v2_to_numpy
 from reamer.serve.worker import InstanceCrashed, InstanceWorker, WorkerError
 
 INPUT_SUFFIXES = (".npy", ".npz")
@@ -146,7 +147,15 @@ def load_inputs(path: Path, model_inputs: list[TensorInfo]) -> tuple[dict[str, n
     for info in model_inputs:
         arr = arrays[info.name]
         want = v2_to_numpy(info.datatype)
-        if arr.dtype != want:
+        if info.datatype == "BYTES":  # strings: a numpy unicode ('<U..') or bytes ('S..', UTF-8) array
+            if arr.dtype.kind not in "US":
+                raise bad(f"array {info.name!r} is {arr.dtype}, not strings (save it as a numpy unicode "
+                          "array, e.g. np.array(['first', 'second']))")
+            try:
+                arr = as_text_array(arr, f"array {info.name!r}")
+            except BadBytesTensor as exc:
+                raise bad(exc.message) from None
+        elif arr.dtype != want:
             if not np.can_cast(arr.dtype, want, casting="same_kind"):
                 raise bad(f"array {info.name!r} is {arr.dtype}, not {want}")
             arr = arr.astype(want)
@@ -197,7 +206,14 @@ class OfflineRunner:
         self.input_dir = Path(input_dir)
         self.output_dir = Path(output_dir)
         self.run_dir = run_dir
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        # made here, by the job's process (its user's rights), never by the agent: no link in the path can
+        # make root create anything
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OfflineInputError(f"output directory {self.output_dir} cannot be created by uid {os.geteuid()}: "
+                                    f"{exc.strerror}", "give an output_dir the job's user can create and write "
+                                    "(check every directory above it)") from None
         for name in os.listdir(self.output_dir):
             if is_temp_file(name) and _own_regular_file(self.output_dir / name):  # cut off by an earlier crash
                 (self.output_dir / name).unlink(missing_ok=True)
@@ -325,13 +341,16 @@ class OfflineRunner:
             self._fail(item, str(loaded))
             return
         inputs, single = loaded
-        n = next(iter(inputs.values())).shape[0]
-        step = worker.spec.max_batch
+        first = next(iter(inputs.values()))
+        n = first.shape[0] if first.ndim else 1
+        # a model that is not batchable (batchability.py) runs each file whole: its rows are no batch to split
+        batchable = worker.batchability is None or worker.batchability.batchable
+        step = worker.spec.max_batch if batchable else max(n, 1)
         parts: list[dict[str, np.ndarray]] = []
         try:
             for start in range(0, n, step):
                 last = start + step >= n
-                parts.append(worker.run({k: v[start:start + step] for k, v in inputs.items()},
+                parts.append(worker.run({k: v[start:start + step] for k, v in inputs.items()} if batchable else inputs,
                                         meanwhile=read_next if last else None))
         except InstanceCrashed as exc:
             item.attempts += 1
@@ -354,7 +373,10 @@ class OfflineRunner:
 
     def _write_result(self, item: _Item, outputs: dict[str, np.ndarray], n: int) -> None:
         buf = io.BytesIO()
-        np.savez(buf, **outputs)
+        # BYTES outputs as numpy unicode arrays: an object array would be pickled, and readers would need
+        # allow_pickle=True to open the result
+        np.savez(buf, **{name: storable_text(a) if np.asarray(a).dtype.kind in "OSU" else a
+                         for name, a in outputs.items()})
         try:
             write_atomic(result_path(self.output_dir, item.path), buf.getvalue(), replace=False)
         except FileExistsError:

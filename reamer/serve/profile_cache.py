@@ -16,8 +16,15 @@ CACHE_FORMAT = 1
 
 
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """sha256 of a regular file. A user's path may have become a FIFO or a device since it was checked: such a
+    file is never read (OSError), so it cannot stall whoever hashes it (the agent, for a cache key)."""
+    import stat
+
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()

@@ -16,10 +16,16 @@ exits (the instances of a layout); `RUN {"batch": B}` measures batch B in point 
 model, re-warming first when B is new to it, says RESULT and waits for the next command (PointSession, measure_point);
 `EXIT` or end of input ends it.
 
+Workers started inside `workers_run_as(identity, memory_mb)` (the agent's layout search on deploy) run
+as that user (the job's), in Python's isolated mode from cwd "/", with a minimal environment and a
+data-segment limit: the model and sample data they open are the user's files.
+
 Top-level imports here are standard library only, because this module is also the worker's entry point.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import queue
@@ -29,12 +35,13 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from reamer.host.errors import ReamerError
 from reamer.serve.spec import static_batch_for
 
 if TYPE_CHECKING:
+    from reamer.host.access import Identity
     from reamer.plan.partition import ProfilePoint
     from reamer.serve.samples import SampleSpec
 
@@ -109,17 +116,59 @@ def p99(latencies_ms: Sequence[float]) -> float:
     return float(np.percentile(latencies_ms, 99)) if len(latencies_ms) else float("nan")
 
 
+@dataclass(frozen=True)
+class WorkerUser:
+    """Whom workers run as, and their data-segment limit (MiB)."""
+
+    identity: "Identity | None"
+    memory_mb: float
+
+
+_RUN_AS: contextvars.ContextVar[WorkerUser | None] = contextvars.ContextVar("reamer_profiler_run_as", default=None)
+WORKER_FILE_CAP = 64 << 20  # bytes a worker run as a user may write to a file (its stderr is one)
+
+
+@contextlib.contextmanager
+def workers_run_as(identity: "Identity | None", memory_mb: float) -> Iterator[None]:
+    """Every worker started in this block (this thread) runs as `identity` (None: this process's user) in
+    isolated mode, cwd "/", a minimal environment and a data-segment limit of `memory_mb`."""
+    token = _RUN_AS.set(WorkerUser(identity, memory_mb))
+    try:
+        yield
+    finally:
+        _RUN_AS.reset(token)
+
+
+def child_start(module: str, args: list[str], env: dict[str, str] | None = None) -> tuple[list[str], dict[str, Any]]:
+    """Command line and Popen arguments of a child that runs the user's model (`python -m module args`): within
+    workers_run_as, as that user, isolated, cwd "/", a minimal environment and the memory limit; else the
+    invoking user's own process (the CLI's reamer search/profile)."""
+    env = env or {}
+    user = _RUN_AS.get()
+    if user is None:
+        return [sys.executable, "-m", module, *args], {"env": {**os.environ, **env}}
+    from reamer.host.access import as_user_kwargs, child_env, limited_argv
+
+    argv = limited_argv([sys.executable, "-I", "-m", module, *args], int(user.memory_mb * (1 << 20)),
+                        WORKER_FILE_CAP)
+    return argv, {"env": child_env(**env), "cwd": "/", **as_user_kwargs(user.identity)}
+
+
+def _worker_start(config: WorkerConfig) -> tuple[list[str], dict[str, Any]]:
+    """The worker's command line and Popen arguments (who it runs as, its environment, cwd, limits)."""
+    threads = {"OMP_NUM_THREADS": str(config.threads), "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return child_start("reamer.serve.profiler", ["--worker", json.dumps(asdict(config))], threads)
+
+
 class ProfileWorker:
     """One pinned worker process: start -> wait_ready() -> go() -> result()."""
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        env = dict(os.environ)
-        env.update({"OMP_NUM_THREADS": str(config.threads), "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        argv, how = _worker_start(config)
         self._stderr = tempfile.TemporaryFile(mode="w+b")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "reamer.serve.profiler", "--worker", json.dumps(asdict(config))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env, text=True, bufsize=1)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                     text=True, bufsize=1, **how)
         self.pid = self.proc.pid
         self.ready_info: dict[str, Any] = {}
         self._lines: queue.Queue[str | None] = queue.Queue()

@@ -11,12 +11,13 @@ The traffic is described the way perf_analyzer takes it:
   Each entry (JSON) or row (an `.npz` array with the batch dim) is one sample; batches cycle through them.
 
 Without sample data: zeros for integer and boolean inputs (zero is a valid index into every embedding
-table, vocabulary or token-type table), N(0, 1) for floating-point inputs, empty strings for BYTES. Every
-dynamic dim other than the batch takes the size given in shapes, or DEFAULT_DYNAMIC_DIM.
+table, vocabulary or token-type table), N(0, 1) for floating-point inputs, short random words for BYTES (see
+SAMPLE_WORDS). Every dynamic dim other than the batch takes the size given in shapes, or DEFAULT_DYNAMIC_DIM.
+Sample data for a BYTES input: strings in the JSON, or a numpy unicode ('<U..') array in the .npz (read
+without pickles, so never an object array).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -68,13 +69,9 @@ class SampleSpec:
         """What the profile cache key must include: the shapes and the sample data's bytes (None: neither)."""
         if self.is_default:
             return None
-        digest = None
-        if self.input_data:
-            h = hashlib.sha256()
-            with open(self.input_data, "rb") as fh:
-                while block := fh.read(1 << 20):
-                    h.update(block)
-            digest = h.hexdigest()
+        from reamer.serve.profile_cache import file_sha256
+
+        digest = file_sha256(self.input_data) if self.input_data else None
         return [sorted((k, list(v)) for k, v in self.shapes.items()), digest]
 
     def describe(self) -> str:
@@ -164,6 +161,33 @@ def load_input_data(path: str | os.PathLike) -> dict[str, list[Any]]:
     return samples
 
 
+def npz_declared_bytes(path: str | os.PathLike) -> int:
+    """The bytes the arrays of a .npz take once decompressed, from their headers alone (nothing is
+    decompressed but the headers): a few KiB of zeros can declare gigabytes. 0 for a file that is not a
+    readable .npz (load_input_data names that problem)."""
+    import zipfile
+
+    import numpy as np
+
+    total = 0
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for member in archive.infolist():
+                if not member.filename.endswith(".npy"):
+                    continue
+                with archive.open(member) as fh:
+                    version = np.lib.format.read_magic(fh)
+                    shape, _, dtype = (np.lib.format.read_array_header_1_0(fh) if version == (1, 0)
+                                       else np.lib.format.read_array_header_2_0(fh))
+                count = 1
+                for dim in shape:
+                    count *= int(dim)
+                total += count * max(1, dtype.itemsize)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError):
+        return 0
+    return total
+
+
 def _json_sample(name: str, value: Any, shape: Sequence[int] | None, dtype: "np.dtype") -> "np.ndarray":
     import numpy as np
 
@@ -215,9 +239,9 @@ class SamplePlan:
             if p.samples is not None:
                 if p.batched:
                     rows = [p.samples[i % len(p.samples)] for i in range(batch)]
-                    feeds[p.info.name] = np.ascontiguousarray(np.stack(rows).astype(dtype, copy=False))
+                    feeds[p.info.name] = _as_dtype(np.stack(rows), dtype)
                 else:
-                    feeds[p.info.name] = np.ascontiguousarray(p.samples[0].astype(dtype, copy=False))
+                    feeds[p.info.name] = _as_dtype(p.samples[0], dtype)
                 continue
             shape = ((batch,) if p.batched else ()) + p.dims
             if dtype.kind in "iub":
@@ -225,7 +249,7 @@ class SamplePlan:
             elif dtype.kind == "f":
                 feeds[p.info.name] = rng.standard_normal(shape).astype(dtype)
             else:
-                feeds[p.info.name] = np.full(shape, b"", dtype=object)
+                feeds[p.info.name] = sample_words(shape, rng)
         return feeds
 
     def describe(self, feeds: dict[str, "np.ndarray"]) -> str:
@@ -236,9 +260,42 @@ class SamplePlan:
             shape = list(arr.shape) if arr is not None else "?"
             source = ("from " + str(self.spec.input_data) if p.samples is not None
                       else "zeros" if p.info.numpy_dtype.kind in "iub"
-                      else "random N(0,1)" if p.info.numpy_dtype.kind == "f" else "empty strings")
+                      else "random N(0,1)" if p.info.numpy_dtype.kind == "f" else "random words")
             lines.append(f"{p.info.name} {p.info.datatype} {shape} ({source})")
         return "; ".join(lines)
+
+
+# BYTES inputs without sample data get words drawn from these (text models' traffic is words; an empty string
+# would measure a tokenizer or a lookup on nothing).
+SAMPLE_WORDS = ("the", "model", "serves", "requests", "on", "idle", "cores", "while", "training", "runs",
+                "a", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "good", "bad", "movie", "film",
+                "great", "awful", "cat", "data", "batch", "latency", "text", "token", "string", "value")
+
+
+def sample_words(shape: tuple[int, ...], rng: "np.random.Generator") -> "np.ndarray":
+    """A BYTES sample: an object array of str, each one to three words of SAMPLE_WORDS."""
+    import numpy as np
+
+    count = int(np.prod(shape, dtype=np.int64))
+    picks = rng.integers(0, len(SAMPLE_WORDS), size=(count, 3))
+    lengths = rng.integers(1, 4, size=count)
+    arr = np.empty(count, dtype=object)
+    arr[:] = [" ".join(SAMPLE_WORDS[j] for j in row[:n]) for row, n in zip(picks.tolist(), lengths.tolist())]
+    return arr.reshape(shape)
+
+
+def _as_dtype(arr: "np.ndarray", dtype: "np.dtype") -> "np.ndarray":
+    """Sample data as the model's dtype; BYTES as an object array of str (numpy 'U'/'S' data converted)."""
+    import numpy as np
+
+    if dtype.kind == "O":
+        from reamer.serve.tensors import BadBytesTensor, as_text_array
+
+        try:
+            return as_text_array(arr, "sample data")
+        except BadBytesTensor as exc:
+            raise SampleError(exc.message, exc.fix) from None
+    return np.ascontiguousarray(arr.astype(dtype, copy=False))
 
 
 def _fix_for(info: "TensorInfo") -> str:
@@ -382,6 +439,11 @@ def _data_samples(info: "TensorInfo", batched: bool, dims: tuple[int, ...] | Non
         if dtype.kind != "O" and s.dtype.kind not in "biuf":
             raise SampleError(f"input data for {info.name!r} has {s.dtype} values, the model wants "
                               f"{info.datatype}", f"give {info.name!r} numbers")
+        if dtype.kind == "O" and (s.dtype.kind not in "OUS" or (s.dtype.kind == "O" and not all(
+                isinstance(x, str) for x in s.reshape(-1).tolist()))):
+            raise SampleError(f"input data for {info.name!r} has values that are not strings, the model wants "
+                              "BYTES", f"give {info.name!r} strings (a JSON list of strings, or a numpy unicode "
+                              "array in the .npz)")
     return samples
 
 

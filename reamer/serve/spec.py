@@ -119,6 +119,8 @@ class JobSpec:
     kind: JobKind
     model: str
     instances: list[InstanceSpec]
+    # Where the job writes status.json, events.jsonl and its rotated log (job.log.1): a directory its user
+    # owns. Under the agent that is <deploy dir>/io/; the spec and job.log sit in the deploy dir, root's.
     run_dir: str
     backend: str = "onnxruntime"
     frontdoor_cpus: list[int] = field(default_factory=list)
@@ -237,29 +239,35 @@ class JobStatus:
     # and ms per request (see stats.FrontDoorLoad)
     frontdoor_busy: float | None = None
     frontdoor_cpu_ms: float | None = None
+    # online: whether requests are merged into batches (batchability.py: every input and output has a leading
+    # batch dimension, confirmed on the sample inputs), and why (not); None until an instance has started
+    batchable: bool | None = None
+    batchable_reason: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "JobStatus":
-        data = json.loads(text)
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+    def from_json(cls, text: str | bytes) -> "JobStatus":
+        """Parsed with the agent's schema (serve.job_channel): bounded, every field of its declared type (a
+        wrong-typed field keeps its default); ValueError when it is no status at all."""
+        from reamer.serve.job_channel import BadStatus, parse_status
+
+        try:
+            return parse_status(text.encode() if isinstance(text, str) else text)
+        except BadStatus as exc:
+            raise ValueError(str(exc)) from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "JobStatus":
-        # O_NOFOLLOW: the agent (root) reads this from a directory the job's user owns.
-        with open(path, "rb", opener=_no_follow) as fh:
-            return cls.from_json(fh.read().decode())
+        """Read as the agent reads it: no link followed, never a FIFO, capped (serve.job_channel)."""
+        from reamer.serve.job_channel import load_status
+
+        return load_status(path)
 
     def write(self, run_dir: str | os.PathLike) -> None:
         self.updated_at = time.time()
         write_atomic(Path(run_dir) / STATUS_FILE, self.to_json())
-
-
-def _no_follow(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def is_temp_file(name: str) -> bool:
@@ -301,8 +309,12 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, replace: bool = Tru
 
 
 def append_event(run_dir: str | os.PathLike, kind: str, message: str, **fields_: Any) -> dict[str, Any]:
-    """Append one event line to <run_dir>/events.jsonl (a single write, so lines never interleave)."""
-    event = {"ts": time.time(), "kind": kind, "message": message, **fields_}
+    """Append one event line to <run_dir>/events.jsonl (a single write, so lines never interleave). Texts are
+    cut to what the agent takes (serve.job_channel.LIMITS), so a long message is shortened, not dropped."""
+    from reamer.serve.job_channel import LIMITS
+
+    fields_ = {k: (v[: LIMITS.max_text_chars] if isinstance(v, str) else v) for k, v in fields_.items()}
+    event = {"ts": time.time(), "kind": kind, "message": message[: LIMITS.max_message_chars], **fields_}
     line = (json.dumps(event, default=str) + "\n").encode()
     fd = os.open(Path(run_dir) / EVENTS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
@@ -316,29 +328,11 @@ def read_events(path: str | os.PathLike, since_offset: int = 0) -> tuple[list[di
     """Events after byte offset `since_offset`, and the offset to pass next time.
 
     A partly written last line is left for the next call. `path` may be the events file or the run dir.
-    """
-    path = Path(path)
-    if path.is_dir():
-        path = path / EVENTS_FILE
-    try:
-        with open(path, "rb", opener=_no_follow) as fh:  # root reads it from the job user's directory
-            fh.seek(since_offset)
-            chunk = fh.read()
-    except FileNotFoundError:
-        return [], since_offset
-    except OSError:  # a symlink planted there (ELOOP), or unreadable: nothing to forward
-        return [], since_offset
-    end = chunk.rfind(b"\n")
-    if end < 0:
-        return [], since_offset
-    events = []
-    for line in chunk[: end + 1].splitlines():
-        if line.strip():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a torn line from a crashed writer: skip it rather than stop reading
-    return events, since_offset + end + 1
+    Read and checked as the agent does (serve.job_channel: no link followed, never a FIFO, lines past the
+    cap, invalid or of an unknown kind skipped)."""
+    from reamer.serve.job_channel import read_event_dicts
+
+    return read_event_dicts(path, since_offset)
 
 
 def plan_reconcile(old: list[InstanceSpec], new: list[InstanceSpec]) -> tuple[list[tuple[int, int]], list[int], list[int]]:

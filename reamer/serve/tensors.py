@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable, Sequence
 
 import numpy as np
 from onnx import TensorProto
@@ -116,3 +117,90 @@ def ort_type_to_v2(type_str: str) -> str:
         return _ORT_NAMES[type_str]
     except KeyError:
         raise _unsupported(type_str) from None
+
+
+# ---------------------------------------------------------------- BYTES (string) tensors
+#
+# Inside reamer a BYTES tensor is a numpy object array of str: what ONNX Runtime takes and returns (it reads a
+# bytes element as the text of its repr, "b'abc'", so bytes are decoded first). On the wire (Triton's binary
+# tensor data, gRPC raw contents) each element is a 4-byte little-endian length and then its bytes.
+
+class BadBytesTensor(ReamerError):
+    """BYTES tensor data that cannot be read (truncated, a count that does not match, not UTF-8)."""
+
+
+def decode_text(items: Iterable[bytes | str], where: str) -> list[str]:
+    """Elements as str: bytes decoded as UTF-8 (the runtimes hold text), str as it is."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        try:
+            out.append(bytes(item).decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise BadBytesTensor(f"{where}: element {i} is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                                 "send BYTES elements as UTF-8 text (the runtime holds strings)") from None
+    return out
+
+
+def split_length_prefixed(raw: bytes | memoryview, count: int, where: str) -> list[bytes]:
+    """The `count` elements of a BYTES tensor in Triton's binary layout (a 4-byte little-endian length before
+    each element's bytes); BadBytesTensor unless `raw` holds exactly that many elements."""
+    view = memoryview(raw).cast("B")
+    items: list[bytes] = []
+    pos, end = 0, len(view)
+    fix = "send each BYTES element as a 4-byte little-endian length followed by that many bytes"
+    while pos < end:
+        if len(items) == count:
+            raise BadBytesTensor(f"{where}: {end - pos} bytes follow its {count} BYTES element(s)", fix)
+        if end - pos < 4:
+            raise BadBytesTensor(f"{where}: element {len(items)} is cut off in its 4-byte length", fix)
+        size = int.from_bytes(view[pos:pos + 4], "little")
+        pos += 4
+        if size > end - pos:
+            raise BadBytesTensor(f"{where}: element {len(items)} says {size} bytes but only {end - pos} follow", fix)
+        items.append(bytes(view[pos:pos + size]))
+        pos += size
+    if len(items) != count:
+        raise BadBytesTensor(f"{where}: holds {len(items)} BYTES element(s) but its shape holds {count}", fix)
+    return items
+
+
+def text_tensor(items: Sequence[bytes | str], shape: Sequence[int], where: str) -> np.ndarray:
+    """An object array of str of `shape` from `items` (bytes decoded as UTF-8)."""
+    arr = np.empty(len(items), dtype=object)
+    arr[:] = decode_text(items, where)
+    return arr.reshape(tuple(shape))
+
+
+def as_text_array(arr: np.ndarray, where: str) -> np.ndarray:
+    """Any string-like array (object of str or bytes, numpy 'U' or 'S') as an object array of str.
+    BadBytesTensor when an element is neither text nor bytes, or bytes that are not UTF-8."""
+    arr = np.asarray(arr)
+    if arr.dtype == object and all(type(x) is str for x in arr.reshape(-1).tolist()):
+        return arr
+    if arr.dtype.kind == "U":
+        return arr.astype(object)
+    if arr.dtype.kind not in "SO":
+        raise BadBytesTensor(f"{where} holds {arr.dtype} values, not strings",
+                             "send text (str or UTF-8 bytes) for a BYTES tensor")
+    flat = arr.reshape(-1).tolist()
+    bad = next((x for x in flat if not isinstance(x, (str, bytes, bytearray))), None)
+    if bad is not None:
+        raise BadBytesTensor(f"{where} holds a {type(bad).__name__} element, not a string",
+                             "send text (str or UTF-8 bytes) for a BYTES tensor")
+    return text_tensor(flat, arr.shape, where)
+
+
+def text_values(arr: np.ndarray) -> list[str]:
+    """A BYTES tensor's elements as str for a JSON answer (bytes that are not UTF-8: replacement characters;
+    the binary form carries them exactly)."""
+    return [x.decode("utf-8", "replace") if isinstance(x, (bytes, bytearray)) else str(x)
+            for x in np.asarray(arr).reshape(-1).tolist()]
+
+
+def storable_text(arr: np.ndarray) -> np.ndarray:
+    """A BYTES tensor as a numpy unicode ('<U..') array: what .npy/.npz hold without pickling."""
+    values = text_values(arr)
+    return np.array(values, dtype=str if values else "<U1").reshape(np.asarray(arr).shape)

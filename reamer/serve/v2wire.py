@@ -76,7 +76,8 @@ def binary_body(model_name: str, request_id: str | None, outputs: list[tuple[str
     blobs = [le_bytes(a) for _, _, a in outputs]
     key = None
     if heads is not None and request_id is None:
-        key = tuple((name, datatype, a.shape) for name, datatype, a in outputs)
+        # the sizes too: a BYTES tensor's bytes vary with its strings, not only with its shape
+        key = tuple((name, datatype, a.shape, len(raw)) for (name, datatype, a), raw in zip(outputs, blobs))
         head = heads.get(key)
         if head is not None:
             return head, blobs

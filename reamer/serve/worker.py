@@ -32,6 +32,8 @@ from reamer.serve.v2wire import binary_reply  # light (json, http); numpy only i
 if TYPE_CHECKING:
     import numpy as np
 
+    from reamer.serve.batchability import Batchability
+
     from reamer.serve.tensors import TensorInfo
 
 
@@ -267,6 +269,16 @@ def _warm_up(backend: Any, samples_doc: dict | None) -> float:
                           "that the model accepts") from None
 
 
+def _batchability(backend: Any, samples_doc: dict | None) -> Any:
+    """Whether this model may be batched (batchability.decide); not batchable when the check itself fails."""
+    from reamer.serve.batchability import Batchability, decide
+
+    try:
+        return decide(backend, samples_doc)
+    except Exception as exc:  # noqa: BLE001 - never merge requests of a model we could not check
+        return Batchability(False, f"the batching check failed ({str(exc)[:300]}): served one request per run")
+
+
 def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_path: str,
                  shared_fds: list[int], samples_doc: dict | None = None, streams: int = 1,
                  precision: str = "f32", max_batch: int = 0) -> None:
@@ -290,12 +302,14 @@ def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_p
     except BaseException as exc:  # noqa: BLE001
         conn.send(("fatal", f"warm-up of {os.path.basename(model_path)} with {backend_kind} failed: {exc}"))
         raise SystemExit(3)
+    batchability = _batchability(backend, samples_doc)
     conn.send(("ready", {
         "pid": os.getpid(),
         "inputs": [(t.name, t.datatype, list(t.shape)) for t in backend.inputs],
         "outputs": [(t.name, t.datatype, list(t.shape)) for t in backend.outputs],
         "warmup_latency_s": warm_latency,
         "precision": backend.precision,  # what it computes in: OpenVINO keeps f32 where the CPU has no bf16
+        "batchability": batchability.to_doc(),
     }))
     while True:
         try:
@@ -319,12 +333,14 @@ def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_p
             elapsed = time.perf_counter() - t0
             del inputs  # views of the arena
             reply = _reply_through(client_fd, plan, outputs, elapsed, flag, heads) if plan is not None else None
+            # t0 travels too: perf_counter is the system-wide monotonic clock, so the parent can tell the
+            # hand-over to this process from the run and from the way back (Triton's compute_input/output)
             if reply is not None and reply[0] != "ok":
-                conn.send(reply)
+                conn.send((*reply, t0))
             elif _shareable(outputs):
-                conn.send(("ok_shared", out_arena.write(outputs), elapsed))
+                conn.send(("ok_shared", out_arena.write(outputs), elapsed, t0))
             else:
-                conn.send(("ok", outputs, elapsed))
+                conn.send(("ok", outputs, elapsed, t0))
         except Exception as exc:  # noqa: BLE001
             conn.send(("error", str(exc)))
         finally:
@@ -350,6 +366,7 @@ class InstanceWorker:
         self.index = index
         self.precision = precision  # asked for ("f32" | "bf16")
         self.effective_precision: str | None = None  # what the started backend computes in (its own report)
+        self.batchability: Batchability | None = None  # whether requests may be merged: the started worker's finding
         self.samples = samples or {}  # samples.SampleSpec.to_doc(): the warm-up's shapes and data
         self.spec = spec
         self.model_path = str(model_path)
@@ -367,6 +384,8 @@ class InstanceWorker:
         self.answered_directly = 0  # batches whose client the worker answered itself (reply-through)
         self.latency_ewma_s: float | None = None
         self.last_backend_s = 0.0  # time of the last batch inside the backend (without the pipe)
+        self.last_input_s = 0.0  # of the last batch: hand-over to the worker process (until its run began)
+        self.last_output_s = 0.0  # and the way back (from the end of its run until the parent had the outputs)
         self.batch_ewma = 1.0
         self._proc: Any = None
         self._conn: Any = None
@@ -434,7 +453,7 @@ class InstanceWorker:
         shared_fds = [a.fd for a in self._arenas] + [self._flag.fd]
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOTSTRAP, str(child_sock.fileno()), cpus, self.spec.sched,
+                [sys.executable, "-I", "-c", _BOOTSTRAP, str(child_sock.fileno()), cpus, self.spec.sched,
                  f"{self.spec.threads}" + (f"s{self.spec.streams}" if self.spec.streams > 1 else ""),
                  self.backend, self.precision, str(self.spec.max_batch), self.model_path, json.dumps(self.samples),
                  *map(str, shared_fds)],
@@ -470,6 +489,10 @@ class InstanceWorker:
         if self.latency_ewma_s is None:
             self.latency_ewma_s = max(info["warmup_latency_s"], 1e-6)
         self.effective_precision = info.get("precision")
+        from reamer.serve.batchability import Batchability
+
+        doc = info.get("batchability")
+        self.batchability = Batchability.from_doc(doc) if doc else Batchability(False, "the worker did not say")
         self.last_error = ""
         self.ready = True
 
@@ -554,7 +577,9 @@ class InstanceWorker:
         if not self.ready or not self.alive:
             raise self._crashed()
         self.busy = True
-        return _batch_of(inputs), time.perf_counter()
+        # a model that is not batchable runs one request per run, whatever its first dimension
+        batchable = self.batchability is None or self.batchability.batchable
+        return (_batch_of(inputs) if batchable else 1), time.perf_counter()
 
     def _send(self, inputs: dict[str, np.ndarray], reply_to: tuple[int, Any] | None = None) -> None:
         if reply_to is not None:
@@ -581,8 +606,14 @@ class InstanceWorker:
         if status not in ("ok", "replied", "reply_broken"):
             raise InferenceFailed(f"instance {self.index} could not run the batch: {payload}",
                                   "check the input shapes and dtypes against GET /v2/models/<name>")
-        elapsed = time.perf_counter() - t0
+        now = time.perf_counter()
+        elapsed = now - t0
         self.last_backend_s = timing[0] if timing else elapsed
+        if len(timing) > 1:
+            self.last_input_s = max(timing[1] - t0, 0.0)
+            self.last_output_s = max(now - timing[1] - self.last_backend_s, 0.0)
+        else:
+            self.last_input_s, self.last_output_s = 0.0, max(elapsed - self.last_backend_s, 0.0)
         self.batches_run += 1
         self.samples_run += samples
         self.note_batch(elapsed, samples)

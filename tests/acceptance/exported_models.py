@@ -154,9 +154,9 @@ SPECS: dict[str, ModelSpec] = {s.name: s for s in [
 # ---------------------------------------------------------------------------------------------- cache
 
 
-def tool_versions() -> dict[str, str]:
+def tool_versions(tools: tuple[str, ...] = TOOLS) -> dict[str, str]:
     out = {}
-    for tool in TOOLS:
+    for tool in tools:
         try:
             out[tool] = metadata.version(tool)
         except metadata.PackageNotFoundError:
@@ -164,32 +164,41 @@ def tool_versions() -> dict[str, str]:
     return out
 
 
-def cache_dir() -> Path:
+def cache_dir(recipe_file: Path = Path(__file__), tools: tuple[str, ...] = TOOLS) -> Path:
+    """The cache of the models of `recipe_file` (this module's by default; family_models' has its own, whose
+    key also covers this file, whose helpers it uses)."""
+    own = recipe_file == Path(__file__)
     env = os.environ.get("REAMER_TEST_MODELS")
     if env:
-        return Path(env)
-    recipe = Path(__file__).read_text().split('"""', 2)[2].encode()  # the code, not the module's docstring
-    key = hashlib.sha256(recipe + json.dumps(tool_versions(), sort_keys=True).encode()).hexdigest()[:16]
+        return Path(env) if own else Path(env) / recipe_file.stem
+    files = [Path(__file__)] + ([] if own else [recipe_file])
+    recipe = b"".join(f.read_text().split('"""', 2)[2].encode() for f in files)  # the code, not the docstrings
+    key = hashlib.sha256(recipe + json.dumps(tool_versions(tools), sort_keys=True).encode()).hexdigest()[:16]
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "reamer" / "test-models" / key
+    return base / "reamer" / "test-models" / (key if own else f"{recipe_file.stem}-{key}")
 
 
 class BuildUnavailable(Exception):
     """The exporters are not installed (torch, transformers: the `test` extra)."""
 
 
-def missing_tools() -> list[str]:
-    return [t for t, v in tool_versions().items() if v == "missing"]
+def missing_tools(tools: tuple[str, ...] = TOOLS) -> list[str]:
+    return [t for t, v in tool_versions(tools).items() if v == "missing"]
 
 
 def ensure_models(timeout_s: float = 1800) -> Path:
-    """The cache directory with every model in SPECS, built in a child process if any is missing.
+    """The cache directory with every model in SPECS, built in a child process if any is missing."""
+    return ensure_built(cache_dir(), "tests.acceptance.exported_models", list(SPECS), TOOLS, timeout_s)
+
+
+def ensure_built(directory: Path, module: str, names: list[str], tools: tuple[str, ...],
+                 timeout_s: float = 1800) -> Path:
+    """`directory` with a NAME.onnx for every name, built by `python -m module --out directory` if any is missing.
 
     A lock file keeps two test runs from building at once; the second waits and then reads."""
-    directory = cache_dir()
-    if all((directory / f"{name}.onnx").exists() for name in SPECS) and (directory / "built.json").exists():
+    if all((directory / f"{name}.onnx").exists() for name in names) and (directory / "built.json").exists():
         return directory
-    missing = missing_tools()
+    missing = missing_tools(tools)
     if missing:
         raise BuildUnavailable(f"cannot build the exported models: {', '.join(missing)} not installed "
                                "(pip install -e '.[test]')")
@@ -199,7 +208,7 @@ def ensure_models(timeout_s: float = 1800) -> Path:
         if not (directory / "built.json").exists():
             log = directory / "build.log"
             with open(log, "wb") as handle:
-                done = subprocess.run([sys.executable, "-m", "tests.acceptance.exported_models", "--out",
+                done = subprocess.run([sys.executable, "-m", module, "--out",
                                        str(directory)], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
                                       timeout=timeout_s)
             if done.returncode != 0:
@@ -414,17 +423,22 @@ RECIPES: dict[str, Callable[[Path], None]] = {  # in build order: derived models
 
 def build_all(out: Path) -> dict:
     """Build every model into `out`; built.json, written last, marks the set as whole."""
+    return build_recipes(out, RECIPES, list(SPECS), TOOLS)
+
+
+def build_recipes(out: Path, recipes: dict[str, Callable[[Path], None]], names: list[str],
+                  tools: tuple[str, ...]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     took = {}
-    for name, recipe in RECIPES.items():
+    for name, recipe in recipes.items():
         started = time.monotonic()
         recipe(out)
         took[name] = round(time.monotonic() - started, 2)
         print(f"built {name} in {took[name]:.1f} s", flush=True)
-    for name in SPECS:
+    for name in names:
         if not (out / f"{name}.onnx").exists():
             raise RuntimeError(f"recipe for {name} made no {name}.onnx")
-    record = {"tools": tool_versions(), "seconds": took, "models": sorted(SPECS)}
+    record = {"tools": tool_versions(tools), "seconds": took, "models": sorted(names)}
     (out / "built.json").write_text(json.dumps(record, indent=2))
     return record
 

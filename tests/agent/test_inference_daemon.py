@@ -119,7 +119,7 @@ def test_agent_restart_keeps_inference_running_and_reattaches(daemon_factory, ti
     job = daemon.client.deploy_inference({"name": "keep", "model": tiny_model, "kind": "online", "slo_ms": 200,
                                           "layout": "1x1:b1"})
     wait_for(lambda: daemon.client.get_inference_job("keep").status.rate_rps is not None
-             and Path(daemon.run_dir, "jobs", "keep", "status.json").exists(), timeout=60, what="job status")
+             and any(Path(daemon.run_dir, "jobs").glob("keep@*/io/status.json")), timeout=60, what="job status")
     assert daemon.stop() == 0
     assert psutil.pid_exists(job.pid) and psutil.Process(job.pid).status() != "zombie", \
         "an agent shutdown must not stop inference"
@@ -201,7 +201,7 @@ def test_offline_on_training_cores_is_single_thread_and_idle_when_configured(dae
                                           "input_dir": str(inputs), "output_dir": str(outputs)})
     on_training = [i for i in job.instances if i.on_training]
     assert [i.cpus for i in on_training] == [train.cpus] and on_training[0].threads == 1
-    spec = json.loads((daemon.run_dir / "jobs" / "bulk" / "spec.json").read_text())
+    spec = json.loads(next((daemon.run_dir / "jobs").glob("bulk@*/spec.json")).read_text())
     scheds = {tuple(i["cpus"]): i["sched"] for i in spec["instances"]}
     assert scheds[tuple(train.cpus)] == "idle"
     assert all(s == "other" for cpus, s in scheds.items() if cpus != tuple(train.cpus))

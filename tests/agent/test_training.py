@@ -19,6 +19,8 @@ from tests.agent.conftest import TEST_RT_RUNTIME_US, all_rr, cgroup_path, cleanu
 
 pytestmark = [needs_rt_host, pytest.mark.root]
 CG = Path("/sys/fs/cgroup")
+# Root's jobs share the privileged pool: the cap less training.user_rt_percent (25 by default) for users' jobs.
+PRIVILEGED_POOL = TEST_RT_RUNTIME_US - TEST_RT_RUNTIME_US * 25 // 100
 
 
 def rt(path: str) -> int:
@@ -108,7 +110,7 @@ def test_cgroup_job_is_pinned_in_place_with_a_budget_only_while_attached(pinner,
     pinner.attach("c", placement, [trainer.pid], [1], 9, new_log(pinner, "c", []))
     assert homes(trainer.pid) == before, "no process changes cgroup"
     assert cpus_text(job_cgroup) == "1" and os.sched_getaffinity(trainer.pid) == {1}
-    assert rt(job_cgroup) == TEST_RT_RUNTIME_US and rt(parent) >= TEST_RT_RUNTIME_US
+    assert rt(job_cgroup) == PRIVILEGED_POOL and rt(parent) >= PRIVILEGED_POOL
     assert all_rr(trainer.pid, 9)
     assert (CG / "memory" / job_cgroup / "memory.limit_in_bytes").read_text().strip() == str(512 << 20)
     trainer.add_thread()  # a late thread (it inherits SCHED_RR; the pass counts it)
@@ -121,7 +123,7 @@ def test_cgroup_job_is_pinned_in_place_with_a_budget_only_while_attached(pinner,
 
 
 def test_budget_is_shared_among_jobs_under_the_cap_and_given_back(cgroup_name, job_cgroup, trainer_factory):
-    pinner = TrainingPinner(detect_driver(), cgroup_name, 2 * TEST_RT_RUNTIME_US)
+    pinner = TrainingPinner(detect_driver(), cgroup_name, 2 * TEST_RT_RUNTIME_US, user_rt_percent=0)
     other = f"{cgroup_name}-home/job2"
     for controller in ("cpu", "cpuset"):
         (CG / controller / other).mkdir()
@@ -156,7 +158,7 @@ def test_refused_budget_names_the_holders_and_undoes_the_cpuset(cgroup_name, job
         top = [d for d in (CG / "cpu").iterdir() if d.is_dir()]
         free = int((CG / "cpu/cpu.rt_runtime_us").read_text()) - sum(int((d / "cpu.rt_runtime_us").read_text())
                                                                       for d in top)
-        pinner = TrainingPinner(detect_driver(), cgroup_name, free + 10000)
+        pinner = TrainingPinner(detect_driver(), cgroup_name, free + 10000, user_rt_percent=0)
         trainer = trainer_factory(threads=1)
         move_into(job_cgroup, trainer.pid)
         cpus_before = cpus_text(job_cgroup)
@@ -192,7 +194,7 @@ def test_agent_gives_the_budget_back_on_clean_stop_and_takes_it_again(tmp_path, 
     agent.start(run_loop=False)
     try:
         agent.attach_training({"name": "t", "cgroup": job_cgroup, "cores": 1})
-        assert all_rr(trainer.pid) and rt(job_cgroup) == TEST_RT_RUNTIME_US
+        assert all_rr(trainer.pid) and rt(job_cgroup) == PRIVILEGED_POOL
     finally:
         agent.stop()
     assert none_rt(trainer.pid) and rt(job_cgroup) == 0, "a stopped agent holds no RT budget"
@@ -200,7 +202,7 @@ def test_agent_gives_the_budget_back_on_clean_stop_and_takes_it_again(tmp_path, 
     agent = service.Agent(agent_config(tmp_path, cgroup_name))
     agent.start(run_loop=False)
     try:
-        assert all_rr(trainer.pid) and rt(job_cgroup) == TEST_RT_RUNTIME_US
+        assert all_rr(trainer.pid) and rt(job_cgroup) == PRIVILEGED_POOL
         agent.detach_training("t")
         assert rt(job_cgroup) == 0 and cpus_text(job_cgroup) != "1"
     finally:
@@ -230,7 +232,7 @@ def test_attach_interrupted_by_a_crash_is_undone_by_the_next_agent(tmp_path, cgr
     with pytest.raises(Crash):
         agent.attach_training({"name": "x", "cgroup": job_cgroup, "cores": 1})
     agent.store.close()
-    assert cpus_text(job_cgroup) == "1" and rt(job_cgroup) == TEST_RT_RUNTIME_US
+    assert cpus_text(job_cgroup) == "1" and rt(job_cgroup) == PRIVILEGED_POOL
     monkeypatch.undo()
     agent = service.Agent(agent_config(tmp_path, cgroup_name))
     agent.start(run_loop=False)

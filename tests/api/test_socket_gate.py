@@ -10,6 +10,7 @@ import httpx
 
 from reamer.agent.config import SecurityConfig
 from reamer.api.app import build_app
+from reamer.api.fairness import SocketLimits
 from reamer.api.server import make_server
 from tests.conftest import wait_for
 
@@ -58,17 +59,24 @@ def test_over_tcp_the_server_refuses_every_request():
 
 
 def test_beyond_max_connections_the_answer_is_a_503_in_the_api_error_shape(tmp_path):
-    """With max_connections 1 the connection of the request itself fills the cap: uvicorn refuses it before the
-    app, and says so as the API does (JSON error with a fix), not in plain text."""
-    server = make_server(build_app(_Untouchable()), log_level="critical", max_connections=1)  # type: ignore[arg-type]
+    """Two idle connections fill max_connections 1 and the admins' share of 1 (whether this test runs as root, an
+    admin, or not): the next connection is refused before the app, in the API's shape (JSON error with a fix)."""
+    limits = SocketLimits(max_connections=1, admin_reserved_connections=1, max_connections_per_uid=5)
+    server = make_server(build_app(_Untouchable()), log_level="critical", limits=limits)  # type: ignore[arg-type]
     path = str(tmp_path / "api.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
     sock.listen(8)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    idle = []
     try:
         wait_for(lambda: server.started, timeout=60, what="the server to start")
+        book = server.config.http_protocol_class.book
+        for _ in range(2):
+            idle.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            idle[-1].connect(path)
+        wait_for(lambda: book.total == (2 if book.admins else 1), timeout=60, what="the idle connections")
         with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://reamer") as client:
             response = client.get("/v1/node", timeout=30)
         assert response.status_code == 503 and response.headers["content-type"] == "application/json"
@@ -76,6 +84,8 @@ def test_beyond_max_connections_the_answer_is_a_503_in_the_api_error_shape(tmp_p
         assert error["code"] == "over_capacity" and "max_connections" in error["message"]
         assert "raise security.max_connections" in error["fix"]
     finally:
+        for conn in idle:
+            conn.close()
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()

@@ -77,8 +77,12 @@ def make_app(received: list) -> FastAPI:
     def inference():
         return {"jobs": [ONLINE.model_dump(mode="json"), OFFLINE.model_dump(mode="json")]}
 
+    deployed: dict = {}  # what POST /v1/inference-jobs made, by name (a deploy polls it)
+
     @app.get("/v1/inference-jobs/{name}")
     def show(name: str):
+        if name in deployed:
+            return deployed[name].model_dump(mode="json")
         for job in (ONLINE, OFFLINE):
             if job.name == name:
                 return job.model_dump(mode="json")
@@ -89,6 +93,15 @@ def make_app(received: list) -> FastAPI:
         body = await request.json()
         received.append(("POST /v1/inference-jobs", body))
         job = (ONLINE if body["kind"] == "online" else OFFLINE).model_copy(update={"name": body["name"]})
+        if body["name"] == "broken":  # the agent took it; its process failed at once
+            deployed["broken"] = job.model_copy(update={
+                "state": "failed", "pid": None,
+                "message": "crashed 6 times within 60s (exit code 1); last log lines: no model - fix the cause"})
+            job = job.model_copy(update={"state": "pending", "pid": None})
+        if body["name"] == "waiting":  # no free cores: the agent keeps it pending
+            job = deployed["waiting"] = job.model_copy(update={"state": "pending", "pid": None, "instances": [],
+                                                               "message": "waiting for free cores"})
+        deployed.setdefault(job.name, job)
         return job.model_dump(mode="json")
 
     @app.get("/v1/events")
@@ -206,7 +219,7 @@ def test_infer_deploy_online_sends_absolute_paths(run, agent, tmp_path):
     model = tmp_path / "m.onnx"
     model.write_bytes(b"onnx")
     result = run("-o", "json", "infer", "deploy", "svc2", "--model", str(model), "--online", "--slo-ms", "25",
-                 "--rate", "40", "--layout", "2x1:b4", "--backend", "openvino")
+                 "--rate", "40", "--layout", "2x1:b4", "--backend", "openvino", "--no-wait")
     assert result.exit_code == 0, result.output
     assert stdout_json(result)["name"] == "svc2"
     _, body = received[-1]
@@ -242,7 +255,7 @@ def test_infer_deploy_offline_waits_with_progress(run, agent, tmp_path):
                  "--output", str(tmp_path / "out"), "--wait")
     assert result.exit_code == 0, result.output
     assert "deployed batch (offline): done" in result.output
-    assert "40/40" in result.output  # the tqdm bar reached the total
+    assert result.output.count("40/40") == 1  # the tqdm bar reached the total, drawn once
     assert received[-1][1]["input_dir"] == str(tmp_path / "in")
 
 
@@ -316,7 +329,7 @@ def test_infer_deploy_sends_traffic_shapes_sample_data_and_bind(run, agent, tmp_
     data.write_bytes(b"npz")
     result = run("infer", "deploy", "bert", "--model", str(model), "--online", "--slo-ms", "50", "--layout", "1x1:b4",
                  "--shape", "input_ids:1,128", "--shape", "attention_mask:128", "--input-data", str(data),
-                 "--bind", "127.0.0.1", "-o", "json")
+                 "--bind", "127.0.0.1", "-o", "json", "--no-wait")
     assert result.exit_code == 0, result.output
     assert stdout_json(result)["name"] == "bert"  # -o json after the subcommand
     body = received[-1][1]
@@ -329,7 +342,7 @@ def test_infer_deploy_sends_the_memory_limit(run, agent, tmp_path):
     model = tmp_path / "m.onnx"
     model.write_bytes(b"onnx")
     result = run("infer", "deploy", "capped", "--model", str(model), "--online", "--slo-ms", "50",
-                 "--memory-limit-mb", "512")
+                 "--memory-limit-mb", "512", "--no-wait")
     assert result.exit_code == 0, result.output
     assert received[-1][1]["memory_limit_mb"] == 512
     assert run("infer", "deploy", "capped", "--model", str(model), "--online", "--slo-ms", "50",
@@ -354,3 +367,75 @@ def test_infer_show_gives_the_url(agent, tmp_path):
     result = CliRunner().invoke(cli, ["--socket", socket_path, "infer", "show", "svc"])
     assert result.exit_code == 0
     assert "url:" in result.output and "http://node-a.example:8100" in result.output
+
+
+# --- an online deploy tells the truth -----------------------------------------------------------------------
+
+
+def test_infer_deploy_online_waits_for_the_front_doors_and_says_why_they_never_answered(run, tmp_path):
+    """The stub's job runs but its front doors (port 8100) never answer: no "running", the reason instead."""
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"onnx")
+    result = run("infer", "deploy", "mute", "--model", str(model), "--online", "--slo-ms", "50", "--timeout", "1")
+    assert result.exit_code == 1, result.output
+    assert "running" not in result.stdout
+    assert "error: inference job mute is not ready after 1 s" in result.output
+    assert "the job has not reported ready" in result.output and "fix: see `reamer infer show mute`" in result.output
+
+
+def test_infer_deploy_of_a_job_that_fails_gives_the_agents_reason_as_json_on_stdout(run, tmp_path):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"onnx")
+    result = run("-o", "json", "infer", "deploy", "broken", "--model", str(model), "--online", "--slo-ms", "50")
+    assert result.exit_code == 1
+    error = json.loads(result.stdout)["error"]
+    assert error["message"].startswith("inference job broken failed: crashed 6 times")
+    assert "reamer infer show broken" in error["fix"] and error["exit_code"] == 1
+    assert "error: inference job broken failed" in result.stderr  # people still read it on stderr
+
+
+def test_infer_deploy_pending_says_pending_and_why(run, tmp_path):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"onnx")
+    result = run("infer", "deploy", "waiting", "--model", str(model), "--online", "--slo-ms", "50")
+    assert result.exit_code == 0, result.output
+    assert "deployed waiting (online): pending" in result.output and "waiting for free cores" in result.output
+
+
+@pytest.mark.parametrize("args, status, code", [
+    (("infer", "show", "nope"), 404, 2),  # the agent's 4xx
+    (("train", "attach", "busy", "--cgroup", "some/cgroup"), 409, 1),
+    (("infer", "deploy", "x", "--model", "/nonexistent.onnx", "--online", "--slo-ms", "5"), None, 2),  # the CLI's
+])
+def test_json_output_of_a_failure_is_a_json_error_on_stdout(run, args, status, code):
+    result = run("-o", "json", *args)
+    assert result.exit_code == code
+    error = json.loads(result.stdout)["error"]
+    assert error["message"] and error["fix"] and error["exit_code"] == code
+    assert error.get("status") == status
+
+
+def test_json_output_of_an_unreachable_agent_and_a_bad_flag(tmp_path):
+    result = CliRunner().invoke(cli, ["--socket", str(tmp_path / "none.sock"), "-o", "json", "infer", "list"])
+    assert result.exit_code == 1
+    assert "is not reachable" in json.loads(result.stdout)["error"]["message"]
+    bad = CliRunner().invoke(cli, ["--socket", str(tmp_path / "none.sock"), "-o", "json", "infer", "deploy", "x",
+                                   "--model", "m", "--rate", "-1"])
+    assert bad.exit_code == 2
+    assert "--rate" in json.loads(bad.stdout)["error"]["message"]
+
+
+def test_the_offline_progress_bar_draws_each_line_once(monkeypatch, capsys):
+    from reamer.cli import infer_cmd
+
+    monkeypatch.setattr(infer_cmd, "POLL_S", 0.15)  # above tqdm's 0.1 s between draws: every change is drawn
+    polls = iter([("running", 0), ("running", 10), ("running", 10), ("running", 25), ("running", 40), ("done", 40)])
+
+    class Agent:
+        def get_inference_job(self, name):
+            state, done = next(polls)
+            return {"state": state, "status": {"total": 40, "done": done}}
+
+    assert infer_cmd.wait_until_done(Agent(), "batch")["state"] == "done"
+    drawn = [line.split("|")[-1].split("[")[0].strip() for line in capsys.readouterr().err.split("\r") if line.strip()]
+    assert drawn == ["10/40", "25/40", "40/40"]  # no line twice, none at 0 before anything happened

@@ -221,7 +221,8 @@ def deploy_online(name: str, model: str, layout: str = "1x1:b1") -> dict:
 def job_evidence(name: str) -> str:
     """The agent's view of a job and the tail of its log, for failure messages."""
     view = api("GET", f"/v1/inference-jobs/{name}")
-    log = Path(f"/run/reamer/jobs/{name}/job.log")
+    logs = sorted(Path("/run/reamer/jobs").glob(f"{name}@*/job.log"), key=lambda p: p.stat().st_mtime)
+    log = logs[-1] if logs else Path(f"/run/reamer/jobs/{name}@<deploy id>/job.log")
     tail = log.read_text()[-3000:] if log.exists() else f"(no {log})"
     return f"{view}\n--- {log} ---\n{tail}"
 

@@ -80,7 +80,7 @@ def test_health_and_metadata(served):
     with httpx.Client(base_url=f"http://{served.url}") as c:
         assert c.get("/v2/health/live").status_code == 200
         assert c.get("/v2/health/ready").status_code == 200
-        assert c.get("/v2").json()["extensions"] == ["binary_tensor_data"]
+        assert c.get("/v2").json()["extensions"] == ["binary_tensor_data", "model_configuration", "statistics"]
         meta = c.get("/v2/models/mio").json()
         assert meta["name"] == "mio" and meta["platform"] == "onnxruntime_onnx"
         assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 8]},

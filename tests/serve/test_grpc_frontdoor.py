@@ -16,6 +16,7 @@ import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
 from reamer.serve.backends import open_backend
+from reamer.serve.model_config import max_request_rows
 from reamer.serve.grpc_v2 import messages as pb
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
@@ -64,6 +65,12 @@ def _triton_inputs(feeds: dict[str, np.ndarray]) -> list:
     return ins
 
 
+def job_inputs() -> list:
+    from reamer.serve.tensors import TensorInfo
+
+    return [TensorInfo("x", "FP32", [-1, 8]), TensorInfo("ids", "INT64", [-1, 4])]
+
+
 def _rpc(target: str, method: str):
     request, response = pb.METHODS[method]
     channel = grpc.insecure_channel(target)
@@ -82,7 +89,10 @@ def test_health_metadata_and_config_over_tritonclient(job):
         ("x", "FP32", ["-1", "8"]), ("ids", "INT64", ["-1", "4"])]  # int64 as JSON strings, as protobuf writes them
     assert [(t["name"], t["datatype"]) for t in model["outputs"]] == [("scores", "FP32"), ("id_sum", "INT64")]
     config = c.get_model_config("mio", as_json=True)["config"]
-    assert config["max_batch_size"] == MAX_BATCH and config["backend"] == "onnxruntime"
+    # the model's batchability (the rows a request can carry within max_request_mb: 1 MiB / 64 bytes a row),
+    # not the layout's max batch
+    assert config["max_batch_size"] == 16384 == max_request_rows(job_inputs(), 2**20) != MAX_BATCH
+    assert config["backend"] == "onnxruntime"
     assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [
         ("x", "TYPE_FP32", ["8"]), ("ids", "TYPE_INT64", ["4"])]
     with pytest.raises(InferenceServerException) as err:

@@ -37,6 +37,8 @@ InferTensorContents = _message("InferTensorContents")
 InferParameter = _message("InferParameter")
 ModelConfigRequest = _message("ModelConfigRequest")
 ModelConfigResponse = _message("ModelConfigResponse")
+ModelStatisticsRequest = _message("ModelStatisticsRequest")
+ModelStatisticsResponse = _message("ModelStatisticsResponse")
 DATA_TYPES = {v.name: v.number for v in _pool.FindEnumTypeByName("inference.DataType").values}
 
 # (request, response) of every RPC reamer serves, by method name.
@@ -48,4 +50,5 @@ METHODS: dict[str, tuple[type, type]] = {
     "ModelMetadata": (ModelMetadataRequest, ModelMetadataResponse),
     "ModelInfer": (ModelInferRequest, ModelInferResponse),
     "ModelConfig": (ModelConfigRequest, ModelConfigResponse),
+    "ModelStatistics": (ModelStatisticsRequest, ModelStatisticsResponse),
 }
