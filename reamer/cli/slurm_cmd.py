@@ -2,12 +2,13 @@
 
 It follows the agent's `capacity_changed` events and runs `scontrol update nodename=N gres=NAME:K
 availablefeatures=... activefeatures=...` whenever the spare cores change, and again every --every seconds
-(slurmd re-registers the configured GRES count when it restarts). Run it as root on the node, beside the agent
+(`scontrol reconfigure`, and slurmctld reading slurm.conf again, put back the configured GRES count). Run it as root on the node, beside the agent
 (for example as a second systemd unit). slurm.conf must declare the GRES: `GresTypes=reamer_spare` and the
 node's `Gres=reamer_spare:<its cores>` (gres.conf `Name=reamer_spare Count=<its cores>`).
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import click
@@ -38,7 +39,7 @@ def node_features(base: list[str], feature: str, spare: int) -> list[str]:
               help="A node feature present while the node has spare cores ('' for none).")
 @click.option("--base-features", default="", help="The node's own features to keep, comma-separated.")
 @click.option("--every", default=30.0, show_default=True, type=click.FloatRange(min=1.0),
-              help="Seconds between re-assertions (a slurmd restart resets the GRES count).")
+              help="Seconds between re-assertions (a reconfigure puts back slurm.conf's GRES count).")
 @click.option("--once", is_flag=True, help="Report once and exit.")
 @pass_cli
 def report(cli: CliContext, node: str | None, gres_name: str, feature: str, base_features: str, every: float,
@@ -58,6 +59,7 @@ def report(cli: CliContext, node: str | None, gres_name: str, feature: str, base
             update_node(node, gres=f"{gres_name}:{spare}", features=features)
             click.echo(f"{time.strftime('%H:%M:%S')} node {node}: gres {gres_name}:{spare}"
                        + (f", features {','.join(features) or '(none)'}" if features is not None else ""))
+            sys.stdout.flush()  # a line per report, also when stdout is a pipe (the journal)
             if once:
                 return
             deadline = time.monotonic() + every

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from reamer.agent.training import IN_PLACE, OWN, SCOPE, RtGroupSchedOnV2, TrainingPinner
+from reamer.agent.training import IN_PLACE, OWN, SCOPE, ProcessGate, RtGroupSchedOnV2, TrainingPinner
 from reamer.host import cgroups
 from reamer.host.cgroups import CgroupV2Driver
 from reamer.host.changes import CPUSET, SUBTREE, ChangeLog
+from reamer.host.identity import process_facts
 from reamer.host.errors import HostError
 from reamer.host.systemd import UnitState, cpu_mask, mask_cpus, unit_of_cgroup
 from tests.host.test_cgroups_v2 import populate
@@ -45,6 +46,8 @@ def proc(tmp_path: Path) -> Path:
     """A fake /proc: this test process lives in the container's cgroup; RT throttling on."""
     base = tmp_path / "proc"
     (base / str(os.getpid())).mkdir(parents=True)
+    for name in ("status", "stat"):  # who this process is, as the process gate reads it
+        (base / str(os.getpid()) / name).write_text(Path(f"/proc/{os.getpid()}/{name}").read_text())
     (base / "sys" / "kernel").mkdir(parents=True)
     (base / "sys/kernel/sched_rt_runtime_us").write_text("950000\n")
     (base / "sys/kernel/sched_rt_period_us").write_text("1000000\n")
@@ -53,6 +56,11 @@ def proc(tmp_path: Path) -> Path:
 
 def lives_in(proc: Path, path: str) -> None:
     (proc / str(os.getpid()) / "cgroup").write_text(f"0::/{path}\n")
+
+
+def gate_for(placement, proc: Path) -> ProcessGate:
+    """The process gate of an attach made by another agent process (this test process plays the training job)."""
+    return ProcessGate(placement.owner, [process_facts(os.getpid(), str(proc))], agent_pid=-1, proc_root=str(proc))
 
 
 def kernel_config(proc: Path, rt_group_sched: bool) -> None:
@@ -136,7 +144,8 @@ def test_placement_and_attach_through_systemd(root: Path, proc: Path) -> None:
     scope = pinner.place("p", "pids", [os.getpid()])
     assert (scope.mode, scope.cpuset_path) == (SCOPE, "reamer.slice/reamer-train-p.scope")
     change_log = pinner.new_log("j", lambda docs: None)
-    pinner._pin("j", placement, [os.getpid()], [4, 5], change_log)
+    with gate_for(placement, proc) as gate:
+        pinner._pin("j", placement, [os.getpid()], [4, 5], change_log, gate)
     assert systemd.allowed[unit] == [4, 5], "systemd, not a file write, narrows a unit's cgroup"
     pinner.placements["j"] = placement
     pinner.detach("j")
@@ -153,7 +162,8 @@ def test_failed_attach_leaves_nothing_changed(root: Path, proc: Path) -> None:
     placement = pinner.place("j", "container", [os.getpid()])
     # the fake kernel leaves cpuset.cpus.effective empty: as if an ancestor's cpuset left the cpus out
     with pytest.raises(HostError) as info:
-        pinner.attach("j", placement, [os.getpid()], [2, 3], 50, pinner.new_log("j", saved.append))
+        pinner.attach("j", placement, [os.getpid()], [2, 3], 50, pinner.new_log("j", saved.append),
+                      gate_for(placement, proc))
     assert "ancestor" in info.value.message and info.value.fix
     assert (root / path / "cpuset.cpus").read_text().strip() == ""
     assert all("cpuset" not in (root / level / "cgroup.subtree_control").read_text().replace("-cpuset", "")

@@ -168,14 +168,14 @@ def test_a_decompression_bomb_is_refused_naming_the_memory_limit(as_user, user, 
 def test_sample_data_past_the_memory_limit_is_stopped_by_the_limit_not_by_the_agent(as_user, user, secure_daemon,
                                                                                      place):
     data = place["home"] / "huge.json"
-    write_json_values(data, 30_000_000)  # ~60 MB of text: several hundred MB once parsed
+    write_json_values(data, 100_000_000)  # 200 MB of text: 800 MB once parsed into a list
     users_file(user, data)
     with RssWatch(secure_daemon.proc.pid) as rss:
         status, body = as_user.call("POST", "/v1/inference-jobs",
-                                    online("huge", str(place["model"]), input_data=str(data), memory_limit_mb=256))
+                                    online("huge", str(place["model"]), input_data=str(data), memory_limit_mb=600))
     assert status == 400, body
-    assert f"input_data {data} needs more than 256 MiB to check" in body["error"]["message"], body
-    assert "256 MiB" in body["error"]["fix"], body
+    assert f"input_data {data} needs more than 600 MiB to check" in body["error"]["message"], body
+    assert "600 MiB" in body["error"]["fix"], body
     assert rss.grew < 200 * MIB, rss.grew
 
 

@@ -100,6 +100,7 @@ def test_run_async_reports_a_crash_clearly(worker):
 
 def test_idle_instance_waits_for_a_fuller_batch_only_when_requests_arrive_densely():
     b = DynamicBatcher(slo_ms=100.0)
+    b.merging = lambda: True  # the instances found the model batchable
     w = SimpleNamespace(spec=SimpleNamespace(max_batch=8), latency_ewma_s=0.050)
     assert b._max_wait_s(w) == 0.0  # nothing known about arrivals: do not wait
     for t in (0.0, 1.0, 2.0, 3.0):  # one request a second: nobody comes within the window
@@ -110,6 +111,8 @@ def test_idle_instance_waits_for_a_fuller_batch_only_when_requests_arrive_densel
     assert b._max_wait_s(w) == pytest.approx(0.020)  # min(0.2 x SLO, batch latency)
     single = SimpleNamespace(spec=SimpleNamespace(max_batch=1), latency_ewma_s=0.050)
     assert b._max_wait_s(single) == 0.0
+    b.merging = lambda: False  # a model that is not batchable: one request per run, nothing to wait for
+    assert b._max_wait_s(w) == 0.0
 
 
 def test_front_door_connections_have_nagle_off(worker):

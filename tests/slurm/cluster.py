@@ -93,7 +93,7 @@ class SlurmCluster:
         gres = f" Gres=reamer_spare:{self.gres_count}" if self.gres_count else ""
         self.conf.write_text("\n".join([
             "ClusterName=reamertest",
-            "SlurmctldHost=localhost",
+            f"SlurmctldHost={self.node_name}(127.0.0.1)",  # no name resolution needed
             f"SlurmctldPort={free_port()}",
             f"SlurmdPort={free_port()}",
             "SlurmUser=root",

@@ -219,6 +219,24 @@ def test_spare_cores_are_published_to_slurm_and_enforced_at_submit(slurm, agent,
     wait_for(lambda: slurm.job_state(job_id) in ("COMPLETED", ""), timeout=60, what="a job within the GRES to run")
 
 
+def test_the_report_reasserts_the_gres_after_slurm_reads_its_config_again(slurm, agent):
+    import sys
+
+    reporter = subprocess.Popen([sys.executable, "-m", "reamer.cli.main", "--socket", agent.socket, "slurm", "report",
+                                 "--node", slurm.node_name, "--every", "5"], env=slurm.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: slurm.node_gres() == "reamer_spare:1", timeout=60, what="the reported count")
+        slurm.run("scontrol", "reconfigure")  # puts back slurm.conf's count (a slurmd restart does not, measured)
+        wait_for(lambda: slurm.node_gres() == "reamer_spare:2", timeout=60,
+                 what="the reconfigure to put back the configured count")
+        wait_for(lambda: slurm.node_gres() == "reamer_spare:1", timeout=60, what="the reporter to re-assert the count")
+    finally:
+        reporter.terminate()
+        out = reporter.communicate(timeout=30)[0]
+    assert out.count("gres reamer_spare:1") >= 2, out
+
+
 def test_capacity_follows_training_and_says_so_in_an_event(slurm, agent, tmp_path):
     since = agent.client.events(since=0).last_id
     before = agent.client.capacity()
