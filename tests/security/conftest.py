@@ -126,6 +126,21 @@ class TestUser:
         subprocess.run(["groupdel", self.group], check=False, capture_output=True)
 
 
+class GroupMember(TestUser):
+    """Another unprivileged user, also a member of the socket group (and of `extra` groups, if given)."""
+
+    def __init__(self, socket_group: str, socket_gid: int, extra: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        subprocess.run(["usermod", "-aG", ",".join((socket_group, *extra)), self.name], check=True)
+        self.socket_gid = socket_gid
+
+    def popen(self, args: list[str], **kwargs: Any) -> subprocess.Popen:
+        proc = subprocess.Popen(args, user=self.uid, group=self.gid, extra_groups=[self.gid, self.socket_gid],
+                                cwd="/", **kwargs)
+        self.procs.append(proc)
+        return proc
+
+
 class UserClient:
     """HTTP calls to the agent, made by a process running as `user`."""
 

@@ -14,29 +14,14 @@ import psutil
 import pytest
 
 from tests.agent.conftest import _new_daemon, needs_rt_host, none_rt
-from tests.security.conftest import TestUser, UserClient, needs_root_for_users
+from tests.security.conftest import GroupMember, TestUser, UserClient, needs_root_for_users
 
 pytestmark = [needs_root_for_users, pytest.mark.root]
 
 
-class SecondUser(TestUser):
-    """Another unprivileged user, also a member of `group` (the agent's socket group)."""
-
-    def __init__(self, group: str, group_gid: int) -> None:
-        super().__init__()
-        subprocess.run(["usermod", "-aG", group, self.name], check=True)
-        self.socket_gid = group_gid
-
-    def popen(self, args: list[str], **kwargs: Any) -> subprocess.Popen:
-        proc = subprocess.Popen(args, user=self.uid, group=self.gid, extra_groups=[self.gid, self.socket_gid],
-                                cwd="/", **kwargs)
-        self.procs.append(proc)
-        return proc
-
-
 @pytest.fixture(scope="module")
-def other(user: TestUser) -> Iterator[SecondUser]:
-    made = SecondUser(user.group, user.gid)
+def other(user: TestUser) -> Iterator[GroupMember]:
+    made = GroupMember(user.group, user.gid)
     try:
         yield made
     finally:
@@ -44,7 +29,7 @@ def other(user: TestUser) -> Iterator[SecondUser]:
 
 
 @pytest.fixture
-def as_other(other: SecondUser, secure_daemon) -> Iterator[UserClient]:
+def as_other(other: GroupMember, secure_daemon) -> Iterator[UserClient]:
     client = UserClient(other, secure_daemon.socket)
     try:
         yield client

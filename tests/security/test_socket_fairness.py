@@ -19,7 +19,7 @@ import pytest
 
 from tests.agent.conftest import REPO, Daemon, _new_daemon
 from tests.conftest import wait_for
-from tests.security.conftest import USER_PYTHON, UserClient, needs_root_for_users
+from tests.security.conftest import USER_PYTHON, GroupMember, UserClient, needs_root_for_users
 from tests.security.conftest import TestUser as UnprivilegedUser  # (not collected as a test class)
 
 pytestmark = [needs_root_for_users, pytest.mark.root]
@@ -201,21 +201,6 @@ for line in sys.stdin:
         held.clear()
     print(json.dumps(out), flush=True)
 """
-
-
-class GroupMember(UnprivilegedUser):
-    """Another unprivileged user, also a member of the socket group (and of `extra` groups, if given)."""
-
-    def __init__(self, socket_group: str, socket_gid: int, extra: tuple[str, ...] = ()) -> None:
-        super().__init__()
-        subprocess.run(["usermod", "-aG", ",".join((socket_group, *extra)), self.name], check=True)
-        self.socket_gid = socket_gid
-
-    def popen(self, args: list[str], **kwargs: Any) -> subprocess.Popen:
-        proc = subprocess.Popen(args, user=self.uid, group=self.gid, extra_groups=[self.gid, self.socket_gid],
-                                cwd="/", **kwargs)
-        self.procs.append(proc)
-        return proc
 
 
 class Hostile:
