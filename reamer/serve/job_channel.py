@@ -33,10 +33,12 @@ from typing import Any, Collection, Union
 from reamer.host.safe_files import UntrustedFileError, UntrustedFileMissing, open_untrusted
 from reamer.serve.spec import EVENTS_FILE, STATUS_FILE, JobStatus
 
-# Every kind a job emits (serve/job.py, serve/worker.py, serve/offline.py): anything else is dropped.
+# Every kind a job emits (serve/job.py, serve/worker.py, serve/offline.py, the batcher's faults): anything else
+# is dropped. tests/security/test_channel_fuzz.py checks that serve/ emits no other.
 JOB_EVENT_KINDS = frozenset({
     "failed", "done", "overload", "frontdoor_saturated", "reconfigured", "reload_failed",
     "worker_crashed", "worker_restarted", "worker_start_failed", "input_failed",
+    "batching", "batch_failed", "not_batchable", "lane_failed",
 })
 # Keys of an event line that are not data (the agent sets its own time and job).
 _ENVELOPE = ("ts", "kind", "message")

@@ -251,3 +251,19 @@ def test_a_status_larger_than_the_cap_is_ignored(tmp_path):
     (tmp_path / STATUS_FILE).write_bytes(json.dumps({"name": "j", "pid": 1, "message": "m" * 100_000}).encode())
     read = read_job_status(tmp_path, ME)
     assert read.status is None and read.problem == "too_large"
+
+
+def test_every_event_kind_a_job_emits_is_let_through():
+    """The kinds reamer.serve writes (append_event, the job's _event, the batcher's _fault) are exactly the ones the
+    agent forwards: a kind missing from JOB_EVENT_KINDS would be dropped as forged."""
+    import re
+    from pathlib import Path
+
+    import reamer.serve
+    from reamer.serve.job_channel import JOB_EVENT_KINDS
+
+    emitted = set()
+    for source in Path(reamer.serve.__file__).parent.glob("*.py"):
+        text = source.read_text()
+        emitted |= set(re.findall(r'(?:append_event\([^,]+,|_event\(|_fault\()\s*"([a-z_]+)"', text))
+    assert emitted and emitted <= JOB_EVENT_KINDS, sorted(emitted - JOB_EVENT_KINDS)

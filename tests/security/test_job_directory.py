@@ -304,7 +304,7 @@ def test_the_log_tail_is_read_capped(as_user, user, agent, files):
     with open(base / "job.log", "ab") as fh:  # 8 MiB of one line, then a last line
         fh.write(b"x" * (8 << 20) + b"\nthe last line\n")
     since = agent.client.events(since=0).last_id
-    os.kill(job.pid, signal.SIGKILL)
+    os.killpg(job.pid, signal.SIGKILL)  # its whole session: no worker writes to the log after the last line
     crashed = wait_for(lambda: [e for e in agent.client.events(since=since).events
                                 if e.kind == "inference_crashed" and e.job == "noisy"],
                        timeout=60, what="the crash to be reported")

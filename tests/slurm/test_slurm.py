@@ -221,20 +221,26 @@ def test_spare_cores_are_published_to_slurm_and_enforced_at_submit(slurm, agent,
 
 def test_the_report_reasserts_the_gres_after_slurm_reads_its_config_again(slurm, agent):
     import sys
+    import threading
 
     reporter = subprocess.Popen([sys.executable, "-m", "reamer.cli.main", "--socket", agent.socket, "slurm", "report",
-                                 "--node", slurm.node_name, "--every", "5"], env=slurm.env, stdout=subprocess.PIPE,
+                                 "--node", slurm.node_name, "--every", "3"], env=slurm.env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(reporter.stdout), daemon=True)
+    reader.start()
     try:
-        wait_for(lambda: slurm.node_gres() == "reamer_spare:1", timeout=60, what="the reported count")
+        wait_for(lambda: slurm.node_gres() == "reamer_spare:1" and lines, timeout=60, what="the first report")
         slurm.run("scontrol", "reconfigure")  # puts back slurm.conf's count (a slurmd restart does not, measured)
         wait_for(lambda: slurm.node_gres() == "reamer_spare:2", timeout=60,
                  what="the reconfigure to put back the configured count")
-        wait_for(lambda: slurm.node_gres() == "reamer_spare:1", timeout=60, what="the reporter to re-assert the count")
+        reported = len(lines)
+        wait_for(lambda: len(lines) > reported and slurm.node_gres() == "reamer_spare:1", timeout=60,
+                 what=f"the reporter to assert the count again (said: {lines})")
     finally:
         reporter.terminate()
-        out = reporter.communicate(timeout=30)[0]
-    assert out.count("gres reamer_spare:1") >= 2, out
+        reporter.wait(timeout=30)
+    assert all("gres reamer_spare:1" in line for line in lines), lines
 
 
 def test_capacity_follows_training_and_says_so_in_an_event(slurm, agent, tmp_path):
