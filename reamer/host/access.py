@@ -86,8 +86,7 @@ def can_access(identity: Identity, path: str, kind: str) -> bool:
     "output_dir" (created by it if missing, then written) or an "output_parent" (could be created by it:
     nothing is made)."""
     try:
-        done = subprocess.run([SHELL, "-c", _TESTS[kind], "reamer-access", path], user=identity.uid,
-                              group=identity.gid, extra_groups=list(identity.groups), cwd="/",
+        done = subprocess.run([SHELL, "-c", _TESTS[kind], "reamer-access", path], **as_user_kwargs(identity), cwd="/",
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, timeout=CHECK_TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -79,7 +79,7 @@ def test_unit_has_the_settings_the_agent_relies_on():
     assert settings["Restart"] == "on-failure"
     assert settings["RuntimeDirectory"] == "reamer" and settings["StateDirectory"] == "reamer"
     assert settings["RuntimeDirectoryPreserve"] == "yes"  # job run dirs under /run/reamer survive a restart
-    for cap in ("CAP_SYS_NICE", "CAP_SYS_ADMIN"):
+    for cap in ("CAP_SYS_NICE", "CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID"):  # SETUID/SETGID: jobs as their users
         assert cap in settings["CapabilityBoundingSet"] and cap in settings["AmbientCapabilities"]
     # the unit's config path and socket match the example config's defaults
     config = load_config(CONFIG)
