@@ -7,7 +7,7 @@
 Needs root (cgroup v1 cpuset/cpu/freezer, SCHED_RR). The training job is the CPU-side training
 EMULATOR (reamer.workloads.training_emulator): real loader processes, kernel-dispatch bursts, a
 sleep standing for the GPU step, periodic gradient-sync bursts. Online requests go through a real
-HTTP server (KServe v2 REST) driven by reamer.serve.loadgen (open-loop Poisson). See bench/README.md.
+HTTP server (KServe v2 REST) driven by reamer.serve.measure.loadgen (open-loop Poisson). See bench/README.md.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class BenchConfig:
     gang_train_s: float = 0.8
     gang_infer_s: float = 0.2
     strategies: list[str] | None = None
-    server: str = "job"  # job: reamer's own `python -m reamer.serve.job`; bench: bench/inference_procs.py serve
+    server: str = "job"  # job: reamer's own `python -m reamer.serve.runtime.job`; bench: bench/inference_procs.py serve
     quick: bool = False
     seed: int = 0
 
@@ -315,7 +315,7 @@ class Bench:
         for d in (self.out, self.logs, self.work):
             d.mkdir(parents=True, exist_ok=True)
         from reamer.serve.backends import open_backend, sample_inputs
-        from reamer.serve.loadgen import v2_request_body
+        from reamer.serve.measure.loadgen import v2_request_body
         from reamer.serve.models import build_model
 
         models = self.out / "models"
@@ -358,7 +358,7 @@ class Bench:
         run_dir.mkdir(parents=True, exist_ok=True)
         spec_path = run_dir / "spec.json"
         spec_path.write_text(spec.to_json())
-        return [sys.executable, "-m", "reamer.serve.job", "--spec", str(spec_path)]
+        return [sys.executable, "-m", "reamer.serve.runtime.job", "--spec", str(spec_path)]
 
     # one phase
     def run_phase(self, strategy: Strategy, trial: int) -> PhaseResult:
@@ -427,7 +427,7 @@ class Bench:
             train0 = sum(process_cpu_seconds(pid) for pid in train_pids)
             t0 = time.monotonic()
             if server is not None:
-                from reamer.serve.loadgen import run_load
+                from reamer.serve.measure.loadgen import run_load
 
                 load = run_load(f"http://127.0.0.1:{port}/v2/models/online/infer", self.request_body,
                                 cfg.rate_rps, cfg.duration_s, seed=cfg.seed * 1000 + trial, timeout_s=15.0)
@@ -635,7 +635,7 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
 
 
 SERVER_DESCRIPTION = {
-    "job": "reamer's own job runner (`python -m reamer.serve.job`: KServe v2 REST front door, batcher, load shedding)",
+    "job": "reamer's own job runner (`python -m reamer.serve.runtime.job`: KServe v2 REST front door, batcher, load shedding)",
     "bench": "the minimal KServe v2 REST server of `bench/inference_procs.py serve` (reamer's request codec)",
 }
 
@@ -750,7 +750,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duty", type=float, default=None, help="training emulator CPU duty (default 0.4)")
     p.add_argument("--gpu-step-ms", type=float, default=None)
     p.add_argument("--server", choices=("job", "bench"), default=None,
-                   help="online server: job = reamer's `python -m reamer.serve.job` (default when present), "
+                   help="online server: job = reamer's `python -m reamer.serve.runtime.job` (default when present), "
                         "bench = the minimal server in bench/inference_procs.py")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -759,7 +759,7 @@ def _parser() -> argparse.ArgumentParser:
 def _default_server() -> str:
     import importlib.util
 
-    return "job" if importlib.util.find_spec("reamer.serve.job") is not None else "bench"
+    return "job" if importlib.util.find_spec("reamer.serve.runtime.job") is not None else "bench"
 
 
 

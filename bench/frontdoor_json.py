@@ -7,7 +7,7 @@ its JSON answer, per request, in this process on one cpu (no model run: only wha
 --e2e serves ResNet-50 (one 1-thread instance on the last cpu, the front door on the first) with each
 front door in turn, and times tritonclient JSON requests at concurrency 1 from the first cpu: p50 latency.
 
-REV is the commit whose reamer/serve/frontdoor.py is "before" (default a32fa24, the last one with the
+REV is the commit whose reamer/serve/doors/rest.py is "before" (default a32fa24, the last one with the
 standard library's json). Rounds alternate before/after so a noisy, shared machine affects both alike;
 figures are medians per request, and the ratio before / after.
 """
@@ -29,12 +29,12 @@ import tritonclient.http as triton
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from reamer.serve import frontdoor as after  # noqa: E402
-from reamer.serve.tensors import TensorInfo  # noqa: E402
+from reamer.serve.doors import rest as after  # noqa: E402
+from reamer.serve.protocol.tensors import TensorInfo  # noqa: E402
 
 
 def load_before(rev: str):
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:reamer/serve/frontdoor.py"],
+    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:reamer/serve/doors/rest.py"],
                             capture_output=True, text=True, check=True).stdout
     path = Path(tempfile.mkdtemp()) / "frontdoor_before.py"
     path.write_text(source)
@@ -72,9 +72,9 @@ SERVER = """
 import asyncio, importlib.util, os, sys, uvloop
 sys.path.insert(0, {repo!r})
 os.sched_setaffinity(0, [{door_cpu}])
-from reamer.serve.batcher import DynamicBatcher
+from reamer.serve.runtime.batcher import DynamicBatcher
 from reamer.serve.spec import InstanceSpec
-from reamer.serve.worker import InstanceWorker
+from reamer.serve.runtime.worker import InstanceWorker
 spec = importlib.util.spec_from_file_location("door", {module!r})
 door_module = importlib.util.module_from_spec(spec); sys.modules["door"] = door_module; spec.loader.exec_module(door_module)
 
@@ -98,9 +98,9 @@ def e2e(args) -> None:
     work = Path(tempfile.mkdtemp())
     model = build_model("resnet50", work / "resnet50.onnx").path
     before_path = work / "frontdoor_before.py"
-    before_path.write_text(subprocess.run(["git", "-C", str(REPO), "show", f"{args.before}:reamer/serve/frontdoor.py"],
+    before_path.write_text(subprocess.run(["git", "-C", str(REPO), "show", f"{args.before}:reamer/serve/doors/rest.py"],
                                           capture_output=True, text=True, check=True).stdout)
-    variants = {"before": str(before_path), "after": str(REPO / "reamer/serve/frontdoor.py")}
+    variants = {"before": str(before_path), "after": str(REPO / "reamer/serve/doors/rest.py")}
     os.sched_setaffinity(0, [cpus[0]])
     image = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
     p50s: dict[str, list[float]] = {k: [] for k in variants}

@@ -40,11 +40,11 @@ def serve(mode: str, model: str, frontdoor_cpu: int, instance_cpu: int) -> None:
     import grpc
     import uvloop
 
-    from reamer.serve.batcher import DynamicBatcher
-    from reamer.serve.grpc_frontdoor import GrpcFrontDoor, GrpcV2Service, _Abort
-    from reamer.serve.grpc_v2 import messages as pb
+    from reamer.serve.runtime.batcher import DynamicBatcher
+    from reamer.serve.doors.grpc import GrpcFrontDoor, GrpcV2Service, _Abort
+    from reamer.serve.doors.grpc_v2 import messages as pb
     from reamer.serve.spec import InstanceSpec
-    from reamer.serve.worker import InstanceWorker
+    from reamer.serve.runtime.worker import InstanceWorker
 
     os.sched_setaffinity(0, [frontdoor_cpu])
     run_dir = tempfile.mkdtemp(prefix="grpc-modes-")

@@ -5,7 +5,7 @@
         join cgroups, set affinity and scheduling policy, then exec CMD (so every
         thread and child CMD starts inherits them — no thread escapes the set-up).
     python bench/inference_procs.py serve --model FILE --name NAME --port PORT [--threads 1]
-        one online instance behind a KServe v2 REST front door (reamer.serve.frontdoor's
+        one online instance behind a KServe v2 REST front door (reamer.serve.doors.rest's
         request/response codec, ONNX Runtime backend); requests are served one at a time.
     python bench/inference_procs.py offline --model FILE --report FILE [--ready-file FILE]
         one single-thread offline instance at batch 1, inferring back to back until SIGTERM;
@@ -64,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
     from fastapi import FastAPI, Request, Response
 
     from reamer.serve.backends import open_backend
-    from reamer.serve.frontdoor import HEADER_LENGTH, BadRequest, decode_request, encode_response
+    from reamer.serve.doors.rest import HEADER_LENGTH, BadRequest, decode_request, encode_response
 
     backend = open_backend("onnxruntime", args.model, args.threads)
     app = FastAPI()

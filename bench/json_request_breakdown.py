@@ -60,7 +60,7 @@ def decode_cost(body: bytes, inputs: list, outputs: list, repeats: int = 21) -> 
     """Median cpu ms of the front door's decode_request on `body`, and of orjson.loads alone (its parse)."""
     import orjson
 
-    from reamer.serve.frontdoor import decode_request
+    from reamer.serve.doors.rest import decode_request
 
     def cpu_ms(fn) -> float:
         spent = []

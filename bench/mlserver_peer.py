@@ -133,7 +133,7 @@ def start_reamer(model: str, cpus: list[int], work: Path, instance_cpus: list[in
                    frontdoor_cpus=list(frontdoor_cpus or cpus),
                    host="127.0.0.1")
     spec.save(work / "spec.json")
-    proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(work / "spec.json")], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.runtime.job", "--spec", str(work / "spec.json")], cwd=ROOT,
                             stdout=open(work / "reamer.log", "wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -23,8 +23,8 @@ for _p in (str(ROOT), str(ROOT / "bench")):
 
 def job_main(factor: float, argv: list[str]) -> int:
     """The online job, its shedding estimate divided by `factor` (so it sheds above factor × SLO)."""
-    from reamer.serve import batcher
-    from reamer.serve.job import main
+    from reamer.serve.runtime import batcher
+    from reamer.serve.runtime.job import main
 
     estimate = batcher.DynamicBatcher.estimated_completion_s
 

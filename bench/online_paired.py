@@ -170,7 +170,7 @@ def climb_ladder(drive: Callable[[str, float, int], Step], contenders: Sequence[
 
 def _pick(model: str, cpus: list[int], slo: float, args: argparse.Namespace, cache: Path) -> tuple[Any, dict]:
     from reamer.plan.layout import format_layout
-    from reamer.serve.layout_search import MeasureSettings, batch_choices, search_layout
+    from reamer.search.on_cores import MeasureSettings, batch_choices, search_layout
 
     started = time.monotonic()
     outcome = search_layout(model, "auto", cpus, slo, cache_dir=cache, batches=batch_choices(args.max_batch),

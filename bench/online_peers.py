@@ -6,8 +6,8 @@ Contenders, each given every cpu of the run (`--cpus`):
 - reamer: the layout that reamer's search picks for that SLO (`search_layout(model, "auto", cpus, slo_ms)` with
   the agent's deploy settings: 0.5 s warm-up, 0.25 s windows, `--search-budget` seconds, batches up to
   `--max-batch`; the two SLOs share one profile cache, as a node's deploys do), served as a real online job
-  (`python -m reamer.serve.job`: front door on all the cpus, pinned instance workers, dynamic batcher with the
-  SLO) and driven through its REST front door with binary tensors both ways (reamer.serve.loadgen, httpx);
+  (`python -m reamer.serve.runtime.job`: front door on all the cpus, pinned instance workers, dynamic batcher with the
+  SLO) and driven through its REST front door with binary tensors both ways (reamer.serve.measure.loadgen, httpx);
 - OpenVINO THROUGHPUT hint at f32 (reamer's numerics): one process, OpenVINO's own streams, an AsyncInferQueue of
   OPTIMAL_NUMBER_OF_INFER_REQUESTS requests of batch 1, static shapes; requests arrive in-process and wait in
   arrival order for a free infer request;
@@ -21,7 +21,7 @@ parses the Triton binary-tensor request and answers binary outputs; OpenVINO's A
 callback fires, ONNX Runtime's session in one worker thread), in a process of its own on the same cpus, driven by
 reamer's client with the same request and arrivals. Its first answer is checked against ONNX Runtime in-process
 (info.check in the JSON). Two ratios per SLO: reamer / the best in-process peer, reamer / the best HTTP peer.
-Every contender sees the same Poisson arrivals (reamer.serve.loadgen.poisson_schedule, seed `--seed`, the same
+Every contender sees the same Poisson arrivals (reamer.serve.measure.loadgen.poisson_schedule, seed `--seed`, the same
 pattern stretched to each rate) and the same sample request. A rate passes when no request fails, p99 <= SLO
 (nearest rank: at least 99 % of the requests within the SLO) with each refused (shed, 503) request counted as
 answered too late (a refusal misses the SLO as a late answer does, no more: a peer may answer 1 % late, reamer
@@ -243,7 +243,7 @@ def _feeds(model: str) -> dict[str, np.ndarray]:
 
 
 def _schedule(rate: float, duration: float, seed: int) -> list[float]:
-    from reamer.serve.loadgen import poisson_schedule
+    from reamer.serve.measure.loadgen import poisson_schedule
 
     return poisson_schedule(rate, duration, np.random.default_rng(seed))
 
@@ -401,7 +401,7 @@ class PeerServer:
 
 def _binary_tensors(body: bytes, header_length: int, specs: list[dict]) -> dict[str, np.ndarray]:
     """The tensors `specs` (a v2 header's inputs or outputs) name, read from the binary part in their order."""
-    from reamer.serve.tensors import v2_to_numpy
+    from reamer.serve.protocol.tensors import v2_to_numpy
 
     out, at = {}, header_length
     for spec in specs:
@@ -494,8 +494,8 @@ def http_peer_main(doc: dict) -> None:
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from reamer.serve.tensors import numpy_to_v2
-    from reamer.serve.v2wire import HEADER_LENGTH, binary_body
+    from reamer.serve.protocol.tensors import numpy_to_v2
+    from reamer.serve.protocol.v2wire import HEADER_LENGTH, binary_body
 
     feeds = _feeds(doc["model"])
     run, closed_loop, info, out_names = _http_runtime(doc, feeds)
@@ -552,7 +552,7 @@ class HttpPeerServer:
                  inputs: dict[str, np.ndarray], reference: dict[str, np.ndarray] | None = None) -> None:
         import httpx
 
-        from reamer.serve.v2wire import HEADER_LENGTH
+        from reamer.serve.protocol.v2wire import HEADER_LENGTH
 
         doc = {"kind": kind, "model": model, "cpus": cpus, "warmup_s": warmup_s}
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--http-peer", json.dumps(doc)],
@@ -625,8 +625,8 @@ def instances_of(layout, cpus: list[int]) -> list:
 
 def binary_request(inputs: dict[str, np.ndarray], output_names: list[str]) -> tuple[bytes, dict[str, str]]:
     """A v2 infer request with binary tensors both ways (what tritonclient sends), encoded once."""
-    from reamer.serve.tensors import numpy_to_v2
-    from reamer.serve.v2wire import HEADER_LENGTH
+    from reamer.serve.protocol.tensors import numpy_to_v2
+    from reamer.serve.protocol.v2wire import HEADER_LENGTH
 
     head = json.dumps({
         "inputs": [{"name": k, "shape": list(a.shape), "datatype": numpy_to_v2(a.dtype),
@@ -691,12 +691,12 @@ async def lean_open_loop(port: int, request: bytes, times: Sequence[float], star
 
 
 class ReamerJob:
-    """A reamer online job (`python -m reamer.serve.job`, or `command` then `--spec FILE`) serving `layout` with
+    """A reamer online job (`python -m reamer.serve.runtime.job`, or `command` then `--spec FILE`) serving `layout` with
     the SLO, and its front door."""
 
     def __init__(self, model: str, layout, cpus: list[int], slo_ms: float, work: Path,
                  inputs: dict[str, np.ndarray], client: str = "lean",
-                 command: Sequence[str] = (sys.executable, "-m", "reamer.serve.job")) -> None:
+                 command: Sequence[str] = (sys.executable, "-m", "reamer.serve.runtime.job")) -> None:
         import httpx
 
         from reamer.serve.spec import JobSpec, JobStatus
@@ -739,7 +739,7 @@ class ReamerJob:
         cpu0 = time.process_time()
         if self.client == "lean":
             return lean_step(self.port, self.request, rate, duration, seed, give_up_s)
-        from reamer.serve.loadgen import run_load
+        from reamer.serve.measure.loadgen import run_load
 
         got = run_load(self.url, self.body, rate, duration, seed=seed, timeout_s=give_up_s, headers=self.headers)
         n = max(len(got.records), 1)
@@ -841,7 +841,7 @@ def _reamer_at(slo: float, model: str, cpus: list[int], args: argparse.Namespace
                cache: Path, work: Path, log: Callable[[str], None]) -> None:
     """reamer's search with the SLO, its pick deployed as an online job, the rate search through the front door."""
     from reamer.plan.layout import format_layout
-    from reamer.serve.layout_search import MeasureSettings, batch_choices, search_layout
+    from reamer.search.on_cores import MeasureSettings, batch_choices, search_layout
 
     started = time.monotonic()
     outcome = search_layout(model, "auto", cpus, slo, cache_dir=cache, batches=batch_choices(args.max_batch),
@@ -1097,7 +1097,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the highest rate tried, requests/s (default 2000: about what one Python HTTP client sends)")
     p.add_argument("--client", choices=("lean", "loadgen"), default="lean",
                    help="reamer's HTTP client: lean (asyncio, keep-alive, the request encoded once; default) or "
-                        "loadgen (reamer.serve.loadgen, httpx: several ms of cpu per request on this machine)")
+                        "loadgen (reamer.serve.measure.loadgen, httpx: several ms of cpu per request on this machine)")
     p.add_argument("--seed", type=int, default=0, help="the Poisson arrivals' seed")
     p.add_argument("--search-budget", type=float, default=90.0, help="reamer's search budget s (the agent's default)")
     p.add_argument("--max-batch", type=int, default=8, help="reamer's search: batches up to this (default 8)")

@@ -139,8 +139,8 @@ def best_per_backend(outcome) -> dict[str, Any]:
 
 def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespace) -> dict[str, Any]:
     from reamer.plan.layout import format_layout
-    from reamer.serve.layout_search import MeasureSettings, search_layout
-    from reamer.serve.profiler import measure_layout
+    from reamer.search.on_cores import MeasureSettings, search_layout
+    from reamer.serve.measure.profiler import measure_layout
 
     from search_calibration import loadavg
 

@@ -3,7 +3,7 @@
     python bench/search_baseline.py                       # resnet50, bert-base, deepspeech2 × SLO 200/500/1000 ms
     python bench/search_baseline.py --models resnet50 --slos 500 --quick
 
-Per model and SLO: the quick search (reamer.plan.search.quick_search with the real profiler:
+Per model and SLO: the quick search (reamer.search.method.quick_search with the real profiler:
 pinned workers, warm-up, windows) on every core of this machine, timed from its first measurement
 to its answer (the model file is built beforehand). The baseline is Cloud Reamer's "one instance,
 maximum batch": one instance on all cores with the largest batch whose p99 meets the SLO alone
@@ -33,8 +33,8 @@ from search_quality import SECTION, write_section  # noqa: E402
 
 from reamer.plan.layout import Layout, format_layout  # noqa: E402
 from reamer.plan.partition import ProfilePoint  # noqa: E402
-from reamer.plan.search import DEFAULT_BATCHES, quick_search  # noqa: E402
-from reamer.serve.profiler import measure_layout, measure_point  # noqa: E402
+from reamer.search.method import DEFAULT_BATCHES, quick_search  # noqa: E402
+from reamer.serve.measure.profiler import measure_layout, measure_point  # noqa: E402
 
 SUBSECTION = "### Against one instance with the maximum batch (real, this machine)"
 SEARCH_TIME_TARGET_S = 120.0

@@ -4,7 +4,7 @@
     python bench/search_calibration.py --models resnet50 --quick # smoke: batches 1,2,4 only
     python bench/search_calibration.py --models deepspeech2      # re-measure one model, keep the others
 
-For each model: one instance alone (reamer.serve.profiler.measure_point: pinned worker, warm-up,
+For each model: one instance alone (reamer.serve.measure.profiler.measure_point: pinned worker, warm-up,
 windows until the last three are stable) on 1 and 2 cores at batches 1..32; then, per contention
 batch, one 1-core instance alone and two 1-core instances running together on cpus 0 and 1
 (measure_layout_detail, same fixed windows) — the ratio of per-instance throughput together vs alone
@@ -35,7 +35,7 @@ for _p in (str(ROOT), str(BENCH)):
 from reamer.host.errors import ReamerError  # noqa: E402
 from reamer.plan.layout import Layout  # noqa: E402
 from reamer.serve.models import build_model  # noqa: E402
-from reamer.serve.profiler import measure_layout_detail, measure_point  # noqa: E402
+from reamer.serve.measure.profiler import measure_layout_detail, measure_point  # noqa: E402
 
 CALIBRATION = BENCH / "search_calibration.json"
 MODELS: dict[str, dict[str, Any]] = {

@@ -23,7 +23,7 @@ def main() -> int:
     from search_calibration import model_file
 
     from reamer.plan.layout import format_layout
-    from reamer.serve.layout_search import MeasureSettings, batch_choices, search_layout
+    from reamer.search.on_cores import MeasureSettings, batch_choices, search_layout
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="resnet50")

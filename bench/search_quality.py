@@ -14,7 +14,7 @@ by default).
 Measurements = single-instance points + layout runs the quick search asked for; the exhaustive
 search's count is every layout (Cloud Reamer's space: integer partitions × one shared max batch).
 
-Real check: on this machine's cores both searches run for real (reamer.serve.profiler): every
+Real check: on this machine's cores both searches run for real (reamer.serve.measure.profiler): every
 layout of the 2-core space, and the quick search per SLO (its point and layout measurements are
 shared by the searches of the different SLOs, each still counting all it asked for); when the picks
 differ, both layouts are measured again, alternating, to tell a real miss from a tie within noise.
@@ -41,7 +41,7 @@ for _p in (str(ROOT), str(BENCH)):
 from results_md import replace_section  # noqa: E402
 
 from reamer.plan.layout import Layout, count_layouts, format_layout, parse_layout  # noqa: E402
-from reamer.plan.search import (DEFAULT_BATCHES, count_backend_layouts, exhaustive_search,  # noqa: E402
+from reamer.search.method import (DEFAULT_BATCHES, count_backend_layouts, exhaustive_search,  # noqa: E402
                                 quick_search, quick_search_backends)
 from reamer.plan.simulator import (CalibratedBackends, CalibratedModel, calibrated_backends,  # noqa: E402
                                    calibrated_models)
@@ -205,8 +205,8 @@ def real_check(calibration: dict, models: list[str], slos: list[float | None], b
                timing: dict[str, float], repeats: int) -> list[dict]:
     from search_calibration import MODELS, loadavg, model_file
 
-    from reamer.plan.search import all_layouts
-    from reamer.serve.profiler import measure_layout, measure_point
+    from reamer.search.method import all_layouts
+    from reamer.serve.measure.profiler import measure_layout, measure_point
 
     cpus = sorted(os.sched_getaffinity(0))
     n_cores = len(cpus)

@@ -73,7 +73,7 @@ def probe(backend: str, path: str, cpus: list[int]) -> dict[str, float]:
 
 
 class WorkerClock:
-    """Wraps reamer.serve.profiler.ProfileWorker to time every worker: spawn → READY → GO → RESULT (or, on a
+    """Wraps reamer.serve.measure.profiler.ProfileWorker to time every worker: spawn → READY → GO → RESULT (or, on a
     worker kept loaded by a PointSession, RUN → RESULT per point)."""
 
     def __init__(self) -> None:
@@ -81,7 +81,7 @@ class WorkerClock:
         self.runs: list[dict[str, Any]] = []  # one per measurement (a layout's workers together)
 
     def install(self) -> None:
-        from reamer.serve import profiler
+        from reamer.serve.measure import profiler
 
         cls, clock = profiler.ProfileWorker, self
         init, wait_ready, go, result = cls.__init__, cls.wait_ready, cls.go, cls.result
@@ -158,7 +158,7 @@ CLOCK = WorkerClock()
 def time_search(name: str, path: str, cpus: list[int], args: argparse.Namespace) -> dict[str, Any]:
     from search_calibration import loadavg
 
-    from reamer.serve.layout_search import MeasureSettings, search_layout
+    from reamer.search.on_cores import MeasureSettings, search_layout
 
     clock = CLOCK
     clock.workers.clear()
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = [int(b) for b in args.batches.split(",")]
     from search_calibration import loadavg, machine_info
 
-    from reamer.serve.layout_search import resolve_backends
+    from reamer.search.on_cores import resolve_backends
 
     CLOCK.install()
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))

@@ -1,7 +1,7 @@
 """Serving overhead of reamer's runtime (issue 3): offline vs a bare loop, online front door vs a direct call,
 and OpenVINO's own THROUGHPUT hint vs reamer's best layout — all measured in the same run.
 
-Offline: a reamer offline job (`python -m reamer.serve.job`, OfflineRunner + pinned workers) over a directory of
+Offline: a reamer offline job (`python -m reamer.serve.runtime.job`, OfflineRunner + pinned workers) over a directory of
 .npy batches, against a *bare loop*: one pinned process per instance calling `backend.run` on the same batches,
 same cpus and threads. Throughput = completions per second between the first and the last completion.
 
@@ -304,7 +304,7 @@ def offline_reamer(model: str, backend: str, layout: Layout, cpus: list[int], in
                    instances=_layout_instances(layout, cpus), frontdoor_cpus=job_cpus, input_dir=str(in_dir),
                    output_dir=str(out_dir))
     spec.save(work / "spec.json")
-    proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(work / "spec.json")], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.runtime.job", "--spec", str(work / "spec.json")], cwd=ROOT)
     try:
         if proc.wait(1800) != 0:
             raise RuntimeError(f"offline job failed: {(run_dir / 'status.json').read_text()}")
@@ -406,8 +406,8 @@ class _GrpcClient:
     def __init__(self, port: int, name: str, inputs: dict[str, np.ndarray]) -> None:
         import grpc
 
-        from reamer.serve.grpc_v2 import messages as pb
-        from reamer.serve.tensors import numpy_to_v2
+        from reamer.serve.doors.grpc_v2 import messages as pb
+        from reamer.serve.protocol.tensors import numpy_to_v2
 
         req = pb.ModelInferRequest(model_name=name)
         for k, a in inputs.items():
@@ -428,7 +428,7 @@ class _GrpcClient:
 
 def _raw_request(name: str, inputs: dict[str, np.ndarray], output_names: list[str]) -> tuple[bytes, dict[str, str]]:
     """A v2 infer request with binary tensors both ways, encoded once."""
-    from reamer.serve.tensors import numpy_to_v2
+    from reamer.serve.protocol.tensors import numpy_to_v2
 
     head = json.dumps({
         "inputs": [{"name": k, "shape": list(a.shape), "datatype": numpy_to_v2(a.dtype),
@@ -440,7 +440,7 @@ def _raw_request(name: str, inputs: dict[str, np.ndarray], output_names: list[st
 
 def _json_request(inputs: dict[str, np.ndarray], output_names: list[str]) -> tuple[bytes, dict[str, str]]:
     """A v2 infer request with JSON tensors both ways (what curl users and the KServe client send), encoded once."""
-    from reamer.serve.tensors import numpy_to_v2
+    from reamer.serve.protocol.tensors import numpy_to_v2
 
     body = json.dumps({
         "inputs": [{"name": k, "shape": list(a.shape), "datatype": numpy_to_v2(a.dtype), "data": a.ravel().tolist()}
@@ -478,7 +478,7 @@ def online_paired(model: str, backend: str, name: str, instance: InstanceSpec, f
     spec = JobSpec(name=name, kind="online", model=model, backend=backend, run_dir=str(run_dir), port=0,
                    instances=[instance], frontdoor_cpus=[frontdoor_cpu])
     spec.save(work / "spec.json")
-    proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(work / "spec.json")], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.runtime.job", "--spec", str(work / "spec.json")], cwd=ROOT)
     cpus = ",".join(map(str, instance.cpus))
     inputs_file = work / "inputs.npz"  # the direct processes run on the very tensors the clients send
     np.savez(inputs_file, **inputs)

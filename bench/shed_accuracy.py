@@ -28,8 +28,8 @@ for _p in (str(ROOT), str(ROOT / "bench")):
 
 
 def job_wrapper(log_path: str, job_args: list[str]) -> None:
-    """Run reamer.serve.job with each request's estimate and actual time appended to `log_path`, no shedding."""
-    from reamer.serve import batcher
+    """Run reamer.serve.runtime.job with each request's estimate and actual time appended to `log_path`, no shedding."""
+    from reamer.serve.runtime import batcher
 
     estimate: contextvars.ContextVar = contextvars.ContextVar("estimate", default=None)
     real_estimate, real_infer = batcher.DynamicBatcher.estimated_completion_s, batcher.DynamicBatcher.infer
@@ -48,8 +48,8 @@ def job_wrapper(log_path: str, job_args: list[str]) -> None:
 
     batcher.DynamicBatcher.estimated_completion_s = logged_estimate  # type: ignore[method-assign]
     batcher.DynamicBatcher.infer = timed_infer  # type: ignore[method-assign]
-    sys.argv = ["reamer.serve.job", *job_args]
-    runpy.run_module("reamer.serve.job", run_name="__main__")
+    sys.argv = ["reamer.serve.runtime.job", *job_args]
+    runpy.run_module("reamer.serve.runtime.job", run_name="__main__")
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -1,6 +1,6 @@
 """Supervise inference jobs: placement, JobSpec files, job processes, their status and events.
 
-Each job runs as `python -I -m reamer.serve.job --spec <run_dir>/jobs/<name>@<deploy id>/spec.json` in its
+Each job runs as `python -I -m reamer.serve.runtime.job --spec <run_dir>/jobs/<name>@<deploy id>/spec.json` in its
 own session (so it survives an agent restart), from a directory root made for that deploy
 (reamer.agent.job_dir); the agent re-attaches by pid (checked against /proc/<pid>/cmdline). A placement
 change rewrites the spec and sends SIGHUP; an online job that loses its cores is stopped and waits (state
@@ -152,7 +152,7 @@ class ProfileCacheChooser:
 
     def _cached_points(self, model: str, backend: str, samples: "SampleSpec | None" = None,
                        precision: str = "f32") -> list:
-        from reamer.serve.profile_cache import ProfileCache, model_key
+        from reamer.serve.measure.profile_cache import ProfileCache, model_key
 
         if not self.profile_dir.is_dir():
             return []
@@ -169,7 +169,7 @@ class ProfileCacheChooser:
         from reamer.plan.admission import batch_latency_target_ms
         from reamer.plan.online_sim import with_sustained
         from reamer.plan.partition import NoFeasibleLayout
-        from reamer.plan.search import plan_from_profile
+        from reamer.search.method import plan_from_profile
 
         backends = installed_backends() if backend == AUTO_BACKEND else [backend]
         plans, refusals = [], []
@@ -200,7 +200,7 @@ class ProfileCacheChooser:
         (reamer.plan.frontdoor)."""
         from reamer.plan.frontdoor import charge_candidates
         from reamer.plan.partition import NoFeasibleLayout
-        from reamer.plan.search import plan_from_profile
+        from reamer.search.method import plan_from_profile
 
         charged = charge_candidates([plan], n_cores, self.frontdoor_cpu_ms or 0.0)[0]
         if n_cores < 2:
@@ -215,7 +215,7 @@ class ProfileCacheChooser:
                  rate_rps: float | None, max_batch: int | None, budget_s: float,
                  samples: "SampleSpec | None" = None, precision: str = "f32") -> LayoutChoice | None:
         """The search within `budget_s` (what is left of search.budget_s after waiting for another)."""
-        from reamer.serve.layout_search import MeasureSettings, batch_choices, search_layout
+        from reamer.search.on_cores import MeasureSettings, batch_choices, search_layout
 
         assert self.search is not None
         s = self.search
@@ -432,7 +432,7 @@ class InferenceSupervisor:
         except psutil.Error:
             return False
         cmd = _cmdline(rec.pid)
-        return "reamer.serve.job" in cmd and str(self.spec_path(rec.name)) in cmd
+        return "reamer.serve.runtime.job" in cmd and str(self.spec_path(rec.name)) in cmd
 
     # --- placement ---
 
@@ -631,7 +631,7 @@ class InferenceSupervisor:
                 # -I: neither the cwd nor the user's site directory nor PYTHON* variables reach sys.path;
                 # the cwd is root's anyway, and the environment is an allowlist (job_dir.job_environment).
                 proc = subprocess.Popen(
-                    [self.python, "-I", "-m", "reamer.serve.job", "--spec", str(self.spec_path(rec))],
+                    [self.python, "-I", "-m", "reamer.serve.runtime.job", "--spec", str(self.spec_path(rec))],
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd=job_dir,
                     env=job_files.job_environment(job_user(rec)),
                     start_new_session=True, close_fds=True, **as_user)

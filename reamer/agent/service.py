@@ -609,7 +609,7 @@ class Agent:
         if rec.kind == "online" and rec.layout is None:
             with self._lock:
                 cpus = [c for c in self._online_free_cpus() if not rec.allowed_cpus or c in rec.allowed_cpus]
-            from reamer.serve.profiler import workers_run_as
+            from reamer.serve.measure.profiler import workers_run_as
 
             # the search runs the user's model and traffic: its workers too are the job user's processes
             with workers_run_as(check.runner, check.memory_mb):

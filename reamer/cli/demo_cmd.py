@@ -279,7 +279,7 @@ class LoadThread:
 
     def start(self) -> None:
         def run() -> None:
-            from reamer.serve.loadgen import run_load
+            from reamer.serve.measure.loadgen import run_load
 
             try:
                 self.result = run_load(self.url, self.body, self.rate_rps, self.duration_s, timeout_s=10.0)
@@ -297,7 +297,7 @@ def online_request_body(model_path: str) -> dict:
     import numpy as np
 
     from reamer.serve.backends import open_backend, sample_inputs
-    from reamer.serve.loadgen import v2_request_body
+    from reamer.serve.measure.loadgen import v2_request_body
 
     backend = open_backend("onnxruntime", model_path, threads=1)
     try:
@@ -306,7 +306,7 @@ def online_request_body(model_path: str) -> dict:
         backend.close()
 
 
-# the span of the job's own figures (reamer.serve.stats.RequestStats' window) that the live tables show
+# the span of the job's own figures (reamer.serve.measure.stats.RequestStats' window) that the live tables show
 JOB_WINDOW_S = 10.0
 
 
@@ -586,7 +586,7 @@ def demo(cli: CliContext, duration: float, keep: bool) -> None:
     if os.geteuid() != 0:
         raise ReamerError("reamer demo needs root: it creates cgroups and gives the training job SCHED_RR",
                           "run it as root: sudo reamer demo")
-    from reamer.serve.loadgen import infer_url
+    from reamer.serve.measure.loadgen import infer_url
 
     workdir = Path(tempfile.mkdtemp(prefix="reamer-demo-"))
     state = DemoState(workdir=workdir, cgroup_name=f"reamer-demo-{os.getpid()}", socket_path=workdir / "reamer.sock")

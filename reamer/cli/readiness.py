@@ -43,7 +43,7 @@ def rest_ready(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> Door
 def grpc_ready(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> DoorAnswer:
     import grpc
 
-    from reamer.serve.grpc_v2.messages import SERVICE, ServerReadyRequest, ServerReadyResponse
+    from reamer.serve.doors.grpc_v2.messages import SERVICE, ServerReadyRequest, ServerReadyResponse
 
     target = _hostport(host, port)
     with grpc.insecure_channel(target) as channel:

@@ -19,7 +19,7 @@ from reamer.cli.common import (BackendChoice, BadInput, CliContext, cpulist_opti
 from reamer.host.cpulist import format_cpulist
 
 if TYPE_CHECKING:
-    from reamer.serve.layout_search import MeasurementRow
+    from reamer.search.on_cores import MeasurementRow
 
 
 BACKENDS = ("onnxruntime", "openvino")
@@ -201,10 +201,10 @@ def profile(cli: CliContext, model: str, backend: str, cpus_text: str | None, ba
 
     Uses IPC and cache-miss rate from hardware counters where the host has them, else measured
     throughput scaling (and says so)."""
-    from reamer.serve.characterise import characterise
+    from reamer.serve.measure.characterise import characterise
 
     # the "no hardware counters" notice is part of the evidence printed below; do not log it twice
-    logging.getLogger("reamer.serve.characterise").setLevel(logging.ERROR)
+    logging.getLogger("reamer.serve.measure.characterise").setLevel(logging.ERROR)
     batch_list = cpulist_option_value(batches)  # same syntax: "1,4,16" or "1-4"
     if not batch_list or batch_list[0] < 1:
         raise BadInput(f"--batches {batches!r} has no positive batch size", 'write e.g. --batches 1,4,16')
@@ -290,7 +290,7 @@ def headline(data: dict) -> str:
 
 
 def write_csv(path: str, rows: list[MeasurementRow]) -> None:
-    from reamer.serve.layout_search import MeasurementRow
+    from reamer.search.on_cores import MeasurementRow
 
     names = list(MeasurementRow.__dataclass_fields__)
     with open(path, "w", newline="") as handle:
@@ -382,7 +382,7 @@ def search(cli: CliContext, model, cores, slo_ms, backend, exhaustive, max_batch
     --precision bf16 measures OpenVINO computing in bfloat16 (where the CPU supports it) and caches those
     points apart from f32 ones: deploy the result with the same --precision."""
     from reamer.serve.backends import effective_precision
-    from reamer.serve.layout_search import MeasureSettings, ProfileCacheUnwritable, batch_choices, search_layout
+    from reamer.search.on_cores import MeasureSettings, ProfileCacheUnwritable, batch_choices, search_layout
 
     if plot_path is not None and not plot_path.lower().endswith(".png"):
         raise BadInput(f"--plot {plot_path} is not a .png file", "name the plot FILE.png")

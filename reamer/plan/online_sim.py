@@ -3,7 +3,7 @@
 A layout's closed-loop throughput (every instance always busy with full batches) does not rank layouts by
 what they sustain online. Under Poisson arrivals a request waits for a free instance and for its batch to
 run, so at equal throughput a layout of shorter batches (smaller ones, or more cores per instance) leaves
-more of the SLO for waiting. `sustained_rps` replays the online job's batching (reamer.serve.batcher) on
+more of the SLO for waiting. `sustained_rps` replays the online job's batching (reamer.serve.runtime.batcher) on
 simulated arrivals: one queue; an idle instance takes the oldest requests up to its max batch, waiting for a
 fuller batch at most min(0.2 × SLO, its batch latency) after the oldest arrived, and only while requests
 arrive densely enough for waiting to fill it. It finds the highest rate whose p99 (nearest rank) stays

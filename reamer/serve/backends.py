@@ -27,7 +27,7 @@ import numpy as np
 from reamer.host.errors import ReamerError
 from reamer.serve.model_types import CUSTOM_OP_LIBRARIES_ENV, custom_op_libraries, extensions_library
 from reamer.serve.spec import DEFAULT_PRECISION, PRECISION_FIX, PRECISIONS
-from reamer.serve.tensors import (BadBytesTensor, TensorInfo, UnsupportedDatatype, as_text_array, numpy_to_v2,
+from reamer.serve.protocol.tensors import (BadBytesTensor, TensorInfo, UnsupportedDatatype, as_text_array, numpy_to_v2,
                                   ort_type_to_v2, v2_to_numpy)
 
 __all__ = ["BACKENDS", "CUSTOM_OP_LIBRARIES_ENV", "DEFAULT_PRECISION", "PRECISIONS", "Backend", "BackendError",

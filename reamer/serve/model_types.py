@@ -162,7 +162,7 @@ def graph_problem(model_path: str | os.PathLike, backend: str | None) -> ModelPr
     problem and the fix. Other files (OpenVINO IR) are left to the runtime: None."""
     from onnx import TensorProto
 
-    from reamer.serve.tensors import UnsupportedDatatype, onnx_to_v2
+    from reamer.serve.protocol.tensors import UnsupportedDatatype, onnx_to_v2
 
     path = os.fspath(model_path)
     if not path.endswith(".onnx"):

@@ -17,7 +17,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from reamer.host.errors import ReamerError
-from reamer.serve.tensors import TensorInfo, onnx_to_v2
+from reamer.serve.protocol.tensors import TensorInfo, onnx_to_v2
 
 # torchvision's names where torchvision has the model (what users type), Hugging Face's stem for BERT
 MODEL_FAMILIES: tuple[str, ...] = ("resnet50", "mobilenet_v2", "bert-base", "deepspeech2", "tiny", "multi-io")

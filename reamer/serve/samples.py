@@ -29,7 +29,7 @@ from reamer.host.errors import ReamerError
 if TYPE_CHECKING:
     import numpy as np
 
-    from reamer.serve.tensors import TensorInfo
+    from reamer.serve.protocol.tensors import TensorInfo
 
 DEFAULT_DYNAMIC_DIM = 16
 
@@ -69,7 +69,7 @@ class SampleSpec:
         """What the profile cache key must include: the shapes and the sample data's bytes (None: neither)."""
         if self.is_default:
             return None
-        from reamer.serve.profile_cache import file_sha256
+        from reamer.serve.measure.profile_cache import file_sha256
 
         digest = file_sha256(self.input_data) if self.input_data else None
         return [sorted((k, list(v)) for k, v in self.shapes.items()), digest]
@@ -289,7 +289,7 @@ def _as_dtype(arr: "np.ndarray", dtype: "np.dtype") -> "np.ndarray":
     import numpy as np
 
     if dtype.kind == "O":
-        from reamer.serve.tensors import BadBytesTensor, as_text_array
+        from reamer.serve.protocol.tensors import BadBytesTensor, as_text_array
 
         try:
             return as_text_array(arr, "sample data")
@@ -455,7 +455,7 @@ def sample_batch(inputs: Sequence["TensorInfo"], batch: int, spec: SampleSpec | 
 
 def model_inputs(model_path: str | os.PathLike) -> list["TensorInfo"]:
     """The inputs of an ONNX file, read with the onnx package (no runtime, no external weights loaded)."""
-    from reamer.serve.tensors import TensorInfo, onnx_to_v2
+    from reamer.serve.protocol.tensors import TensorInfo, onnx_to_v2
 
     try:
         model = _read_onnx(model_path)

@@ -1,6 +1,6 @@
 """What one inference job is (JobSpec), how it is doing (JobStatus), and its on-disk records.
 
-The agent writes a JobSpec as JSON; `python -m reamer.serve.job --spec FILE` runs it and writes
+The agent writes a JobSpec as JSON; `python -m reamer.serve.runtime.job --spec FILE` runs it and writes
 `<run_dir>/status.json` (JobStatus, about every 0.5 s) and `<run_dir>/events.jsonl` (one JSON object
 per line: {"ts", "kind", "message", ...}).
 """

@@ -85,9 +85,9 @@ class KServeGrpc:
               variant: str) -> dict[str, np.ndarray]:
         import grpc
 
-        from reamer.serve.grpc_frontdoor import CONTENTS_FIELD
-        from reamer.serve.grpc_v2 import messages as pb
-        from reamer.serve.tensors import v2_to_numpy
+        from reamer.serve.doors.grpc import CONTENTS_FIELD
+        from reamer.serve.doors.grpc_v2 import messages as pb
+        from reamer.serve.protocol.tensors import v2_to_numpy
 
         request = pb.ModelInferRequest(model_name=model)
         raw = any(triton_dtype(a) not in CONTENTS_FIELD for a in inputs.values())

@@ -94,7 +94,7 @@ def test_default_job_listens_everywhere_and_its_url_works_from_another_namespace
 
 
 def test_search_on_deploy_measures_the_traffic_and_caches_it_under_its_shapes(daemon_factory, tmp_path):
-    from reamer.serve.profile_cache import ProfileCache, model_key
+    from reamer.serve.measure.profile_cache import ProfileCache, model_key
     from reamer.serve.samples import SampleSpec
 
     cpus = sorted(os.sched_getaffinity(0))

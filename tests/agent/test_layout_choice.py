@@ -6,7 +6,7 @@ import pytest
 from reamer.agent.errors import AdmissionRefused
 from reamer.agent.inference import InferenceRecord, LayoutChoice, ProfileCacheChooser, apply_choice, load_chooser
 from reamer.plan.partition import ProfilePoint
-from reamer.serve.profile_cache import ProfileCache, model_key
+from reamer.serve.measure.profile_cache import ProfileCache, model_key
 
 from reamer.serve import models
 

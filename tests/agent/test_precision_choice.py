@@ -6,7 +6,7 @@ from __future__ import annotations
 from reamer.agent.inference import InferenceRecord, InferenceSupervisor, ProfileCacheChooser, choose_for
 from reamer.plan.partition import ProfilePoint
 from reamer.serve import models
-from reamer.serve.profile_cache import ProfileCache, model_key
+from reamer.serve.measure.profile_cache import ProfileCache, model_key
 
 POINTS = [ProfilePoint(1, 1, 100.0, 5.0), ProfilePoint(1, 4, 180.0, 12.0), ProfilePoint(2, 1, 150.0, 4.0),
           ProfilePoint(2, 4, 260.0, 9.0)]

@@ -14,7 +14,7 @@ import pytest
 from reamer.agent.inference import InferenceRecord, ProfileCacheChooser, SearchOnDeploy, choose_for
 from reamer.api.client import ApiError
 from reamer.plan.layout import parse_layout
-from reamer.serve.profile_cache import ProfileCache, model_key
+from reamer.serve.measure.profile_cache import ProfileCache, model_key
 from tests.agent.conftest import needs_rt_host
 
 
@@ -57,7 +57,7 @@ class WorkerWatch:
             for proc in children:
                 try:
                     cmd = proc.cmdline()
-                    if "reamer.serve.profiler" not in cmd:
+                    if "reamer.serve.measure.profiler" not in cmd:
                         continue
                     self.configured[proc.pid] = json.loads(cmd[-1])["cpus"]
                     self.affinity.setdefault(proc.pid, set()).add(tuple(sorted(proc.cpu_affinity())))

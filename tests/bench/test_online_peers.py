@@ -183,7 +183,7 @@ def test_the_http_peers_parse_the_request_reamers_client_sends():
 
 
 def test_a_binary_response_reads_back_and_the_check_catches_a_wrong_answer():
-    from reamer.serve.v2wire import binary_body
+    from reamer.serve.protocol.v2wire import binary_body
 
     ref = {"y": np.array([[1.0, -2.0, 4.0]], dtype=np.float32), "z": np.array([3], dtype=np.int64)}
     head, blobs = binary_body("m", None, [("y", "FP32", ref["y"]), ("z", "INT64", ref["z"])])

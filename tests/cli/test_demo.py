@@ -135,7 +135,7 @@ def test_demo_summary_says_what_each_figure_covers_and_agrees_with_the_tables():
     """The closing summary gives the clients' whole-run figure and, for the live tables, the job's own figures
     and the clients' over the same windows: a reader sees why 89.8 % and 95.9–99.5 % can both be true."""
     from reamer.cli.demo_cmd import LiveSample, online_summary, render_summary
-    from reamer.serve.loadgen import LoadResult, RequestRecord
+    from reamer.serve.measure.loadgen import LoadResult, RequestRecord
 
     # 0-10 s: the start, every request late; 10-30 s: all within the 50 ms SLO
     records = [RequestRecord(t / 10, 80.0 if t < 100 else 5.0, "ok") for t in range(300)]

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from reamer.cli.main import cli
 from reamer.serve import models
-from reamer.serve.grpc_v2.messages import SERVICE, ServerReadyRequest, ServerReadyResponse
+from reamer.serve.doors.grpc_v2.messages import SERVICE, ServerReadyRequest, ServerReadyResponse
 from tests.agent.conftest import needs_rt_host, started_daemon
 
 pytestmark = [needs_rt_host, pytest.mark.root]

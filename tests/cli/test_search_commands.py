@@ -158,7 +158,7 @@ def test_profile_and_search_measure_the_traffic_shapes_and_data(bert, tmp_path):
         result = CliRunner().invoke(cli, [*shaped, "--shape", shape])  # the other inputs share its "seq"
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["samples"]["shapes"]["input_ids"] == [1, int(shape.rsplit(",", 1)[1])]
-    from reamer.serve.profile_cache import model_key
+    from reamer.serve.measure.profile_cache import model_key
     from reamer.serve.samples import SampleSpec
 
     keys = {model_key(bert, "onnxruntime", samples=SampleSpec({"input_ids": (1, n)})) for n in (128, 32)}
@@ -230,7 +230,7 @@ def test_search_cut_short_by_its_budget_says_so(tiny):
 
 
 def test_profile_measures_at_the_precision_asked(tiny, monkeypatch):
-    from reamer.serve import profiler
+    from reamer.serve.measure import profiler
 
     asked = []
     real = profiler.PointSession.__init__

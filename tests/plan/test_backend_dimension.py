@@ -6,7 +6,7 @@ import pytest
 
 from reamer.plan.layout import InstanceShape, Layout, format_layout, parse_layout
 from reamer.plan.partition import ProfilePoint
-from reamer.plan.search import (all_layouts, count_backend_layouts, quick_search_backends, screen_backends,
+from reamer.search.method import (all_layouts, count_backend_layouts, quick_search_backends, screen_backends,
                                 screening_points, streams_variants)
 from reamer.plan.simulator import CalibratedBackends, CalibratedModel, synthetic_model
 

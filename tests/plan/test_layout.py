@@ -9,7 +9,7 @@ from reamer.plan.layout import (
     integer_partitions,
     parse_layout,
 )
-from reamer.plan.search import all_layouts
+from reamer.search.method import all_layouts
 
 shapes = st.builds(
     InstanceShape,

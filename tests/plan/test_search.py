@@ -3,7 +3,7 @@ import pytest
 from reamer.host.errors import ReamerError
 from reamer.plan.layout import count_layouts
 from reamer.plan.partition import NoFeasibleLayout, ProfilePoint
-from reamer.plan.search import (
+from reamer.search.method import (
     DEFAULT_BATCHES,
     exhaustive_search,
     guided_core_counts,
@@ -221,7 +221,7 @@ def _fake_run(verified, runs, readings):
 
 
 def test_a_point_just_over_the_slo_is_measured_again_before_it_is_excluded():
-    from reamer.plan.search import _Recorder
+    from reamer.search.method import _Recorder
 
     readings = {(1, 1): [ProfilePoint(1, 1, 10.0, 102.0), ProfilePoint(1, 1, 10.0, 98.0),
                          ProfilePoint(1, 1, 10.0, 97.0)],
@@ -235,7 +235,7 @@ def test_a_point_just_over_the_slo_is_measured_again_before_it_is_excluded():
 
 def test_a_noisy_tie_is_settled_by_repeated_runs():
     from reamer.plan.layout import parse_layout
-    from reamer.plan.search import _settle_ties
+    from reamer.search.method import _settle_ties
 
     fast, slow = parse_layout("4x1:b1"), parse_layout("2x2:b1")
     readings = {fast: [(100.0, 50.0), (101.0, 50.0), (99.0, 50.0)], slow: [(103.0, 50.0), (96.0, 50.0), (95.0, 50.0)]}
@@ -251,7 +251,7 @@ def test_a_noisy_tie_is_settled_by_repeated_runs():
 def test_a_layout_within_noise_of_the_slo_yields_to_a_tie_with_headroom():
     from reamer.plan.layout import parse_layout
     from reamer.plan.partition import Candidate
-    from reamer.plan.search import _prefer_headroom
+    from reamer.search.method import _prefer_headroom
 
     edge = Candidate(parse_layout("4x1:b2"), 100.0, 199.0, 100.0, 199.0)
     safe = Candidate(parse_layout("2x2:b2"), 97.0, 170.0, 97.0, 170.0)
@@ -264,7 +264,7 @@ def test_a_layout_within_noise_of_the_slo_yields_to_a_tie_with_headroom():
 def test_together_factors_take_the_worst_instance_of_each_size():
     from reamer.plan.layout import parse_layout
     from reamer.plan.partition import Candidate
-    from reamer.plan.search import _together_factors
+    from reamer.search.method import _together_factors
 
     layout = parse_layout("3x1:b4+1x1:b1")
     points = {(1, 4): ProfilePoint(1, 4, 10.0, 500.0), (1, 1): ProfilePoint(1, 1, 9.0, 100.0)}

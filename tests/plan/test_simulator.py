@@ -60,7 +60,7 @@ def test_unknown_family():
 
 from reamer.plan.layout import count_layouts  # noqa: E402
 from reamer.plan.partition import ProfilePoint  # noqa: E402
-from reamer.plan.search import all_layouts  # noqa: E402
+from reamer.search.method import all_layouts  # noqa: E402
 from reamer.plan.simulator import CalibratedModel, calibrated_models  # noqa: E402
 
 BATCHES = (1, 2, 4, 8)

@@ -171,7 +171,7 @@ def test_the_planted_files_would_run_code_where_python_looks(tmp_path):
     for path, text in plants(tmp_path / "cwd", marker):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
-    subprocess.run([sys.executable, "-m", "reamer.serve.job", "--spec", "/nonexistent"], cwd=tmp_path / "cwd",
+    subprocess.run([sys.executable, "-m", "reamer.serve.runtime.job", "--spec", "/nonexistent"], cwd=tmp_path / "cwd",
                    capture_output=True, timeout=60)
     assert marker.exists() and "planted code ran" in marker.read_text()
 

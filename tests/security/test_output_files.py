@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from reamer.serve.offline import OfflineRunner
+from reamer.serve.runtime.offline import OfflineRunner
 from reamer.serve.spec import write_atomic
 from tests.conftest import IS_ROOT
 

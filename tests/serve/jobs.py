@@ -1,4 +1,4 @@
-"""A real online job process (`python -m reamer.serve.job`) started from a JobSpec, as the agent starts one."""
+"""A real online job process (`python -m reamer.serve.runtime.job`) started from a JobSpec, as the agent starts one."""
 from __future__ import annotations
 
 import os
@@ -51,7 +51,7 @@ class RunningJob:
                             **spec_fields)
         self.spec.save(tmp_path / "spec.json")
         self.log_path = log_path
-        command = [sys.executable, "-m", "reamer.serve.job", "--spec", str(tmp_path / "spec.json")]
+        command = [sys.executable, "-m", "reamer.serve.runtime.job", "--spec", str(tmp_path / "spec.json")]
         if log_path is None:
             self.proc = subprocess.Popen(command, cwd=REPO)
         else:

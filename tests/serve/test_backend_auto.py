@@ -15,10 +15,10 @@ from reamer.host.errors import ReamerError
 from reamer.plan.layout import Layout, format_layout, parse_layout
 from reamer.plan.partition import ProfilePoint
 from reamer.serve.backends import open_backend, sample_inputs
-from reamer.serve.layout_search import MeasureSettings, cached_points, search_layout
+from reamer.search.on_cores import MeasureSettings, cached_points, search_layout
 from reamer.serve.models import build_model
-from reamer.serve.profile_cache import ProfileCache, model_key
-from reamer.serve.profiler import measure_layout_detail, measure_point
+from reamer.serve.measure.profile_cache import ProfileCache, model_key
+from reamer.serve.measure.profiler import measure_layout_detail, measure_point
 from reamer.serve.spec import InstanceSpec, SpecError
 
 FAST = MeasureSettings(warmup_s=0.05, window_s=0.05, max_windows=4, verify_windows=2)
@@ -187,7 +187,7 @@ def test_job_serves_from_an_openvino_instance_with_streams(paths, tmp_path):
                    run_dir=str(tmp_path / "run"), instances=[InstanceSpec([JOB_CPUS[-1]], 2, 8, streams=2)],
                    frontdoor_cpus=[JOB_CPUS[0]])
     spec.save(tmp_path / "spec.json")
-    proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(tmp_path / "spec.json")], cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "reamer.serve.runtime.job", "--spec", str(tmp_path / "spec.json")], cwd=REPO)
     try:
         status = wait_for(lambda: (s := read_status(tmp_path / "run")) and s.state == "ready" and s.port and s,
                           timeout=120, what="the job to be ready")

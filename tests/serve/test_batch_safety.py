@@ -19,13 +19,13 @@ import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
-from reamer.serve import batcher as batcher_module
+from reamer.serve.runtime import batcher as batcher_module
 from reamer.serve.backends import open_backend
-from reamer.serve.batchability import declared_batchability, onnx_batch_dim_names
-from reamer.serve.batcher import DynamicBatcher, ModelFault, RequestRefused
-from reamer.serve.model_config import max_request_rows
+from reamer.serve.runtime.batchability import declared_batchability, onnx_batch_dim_names
+from reamer.serve.runtime.batcher import DynamicBatcher, ModelFault, RequestRefused
+from reamer.serve.protocol.model_config import max_request_rows
 from reamer.serve.spec import InstanceSpec
-from reamer.serve.worker import InstanceWorker
+from reamer.serve.runtime.worker import InstanceWorker
 from tests.serve import batch_models
 from tests.serve.batch_models import MODELS, client_inputs
 from tests.serve.jobs import RunningJob
@@ -414,7 +414,7 @@ def test_rank_0_inputs_of_a_model_that_takes_them_are_served_one_per_run(jobs, r
 
 @pytest.mark.parametrize("kind", ["reduction", "rowwise"])
 def test_the_search_measures_only_batch_1_for_a_model_that_is_not_batchable(kind, models, tmp_path):
-    from reamer.serve.layout_search import MeasureSettings, search_layout
+    from reamer.search.on_cores import MeasureSettings, search_layout
 
     fast = MeasureSettings(warmup_s=0.05, window_s=0.05, max_windows=4, verify_windows=2)
     outcome = search_layout(models[kind], "onnxruntime", [CPU], None, cache_dir=tmp_path / "profiles",

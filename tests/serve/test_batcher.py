@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from reamer.serve.backends import open_backend
-from reamer.serve.batcher import DynamicBatcher, Overloaded
+from reamer.serve.runtime.batcher import DynamicBatcher, Overloaded
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec, read_events
-from reamer.serve.worker import InstanceCrashed, InstanceWorker
+from reamer.serve.runtime.worker import InstanceCrashed, InstanceWorker
 
 CPU = sorted(os.sched_getaffinity(0))[-1]
 
@@ -233,7 +233,7 @@ def test_removing_an_instance_finishes_its_in_flight_batch(models, make_worker):
 def test_a_batch_skips_a_request_too_large_for_it_and_takes_the_ones_behind():
     """Regression: taking requests from behind a skipped one compared requests (and so their tensors)
     for equality, which raised inside the instance's serving loop and stopped it."""
-    from reamer.serve.batcher import _Request
+    from reamer.serve.runtime.batcher import _Request
 
     async def main():
         b = DynamicBatcher(slo_ms=None)
@@ -248,7 +248,7 @@ def test_a_batch_skips_a_request_too_large_for_it_and_takes_the_ones_behind():
 
 
 def test_a_request_the_model_refuses_fails_alone_not_the_batch_it_was_in(make_worker, tmp_path):
-    from reamer.serve.worker import InferenceFailed
+    from reamer.serve.runtime.worker import InferenceFailed
     from tests.serve.bertlike import bert_feeds, build_bertlike
 
     w = make_worker(build_bertlike(tmp_path / "bertlike.onnx"), max_batch=4)

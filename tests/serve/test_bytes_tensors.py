@@ -18,15 +18,15 @@ from onnx import TensorProto, helper
 
 from reamer.serve import backends, model_types
 from reamer.serve.backends import BackendError, UnservableModel, open_backend
-from reamer.serve.frontdoor import BadRequest, decode_request
-from reamer.serve.grpc_frontdoor import GrpcBadRequest, decode_infer_request
-from reamer.serve.grpc_v2 import messages as pb
+from reamer.serve.doors.rest import BadRequest, decode_request
+from reamer.serve.doors.grpc import GrpcBadRequest, decode_infer_request
+from reamer.serve.doors.grpc_v2 import messages as pb
 from reamer.serve.model_check import load_problem, open_problem
 from reamer.serve.model_types import graph_problem
 from reamer.serve.samples import SampleError, SampleSpec, plan_samples
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
-from reamer.serve.tensors import BadBytesTensor, TensorInfo, split_length_prefixed
-from reamer.serve.v2wire import HEADER_LENGTH, le_bytes
+from reamer.serve.protocol.tensors import BadBytesTensor, TensorInfo, split_length_prefixed
+from reamer.serve.protocol.v2wire import HEADER_LENGTH, le_bytes
 from tests.conftest import wait_for
 from tests.serve.jobs import CPUS, REPO, RunningJob
 
@@ -163,7 +163,7 @@ def test_a_large_json_body_of_strings_takes_the_fast_reader_and_gives_the_same_s
 
 
 def test_binary_answers_of_equal_shape_carry_each_answers_own_byte_sizes():
-    from reamer.serve.frontdoor import DecodedRequest, encode_response
+    from reamer.serve.doors.rest import DecodedRequest, encode_response
 
     outs = [TensorInfo("echo", "BYTES", [-1])]
     heads: dict = {}  # the job's cache of binary answer headers, shared by requests of one shape
@@ -291,7 +291,7 @@ def test_samples_for_bytes_inputs_are_words_or_the_given_strings(models, tmp_pat
 
 
 def test_profile_measures_a_string_model_on_sample_words(models):
-    from reamer.serve.profiler import measure_point
+    from reamer.serve.measure.profiler import measure_point
 
     point = measure_point(models["labels"], "onnxruntime", cores=1, batch=4, cpus=CPUS[-1:], max_windows=4,
                           warmup_s=0.1, window_s=0.15)
@@ -299,7 +299,7 @@ def test_profile_measures_a_string_model_on_sample_words(models):
 
 
 def test_an_auto_search_of_a_string_model_drops_openvino_and_picks_onnxruntime(models):
-    from reamer.serve.layout_search import MeasureSettings, installed_backends, search_layout
+    from reamer.search.on_cores import MeasureSettings, installed_backends, search_layout
 
     if "openvino" not in installed_backends():
         pytest.skip("OpenVINO is not installed: there is nothing to drop")
@@ -407,7 +407,7 @@ def test_an_offline_job_reads_and_writes_strings_without_pickles(models, tmp_pat
                    input_dir=str(tmp_path / "in"), output_dir=str(tmp_path / "out"),
                    instances=[InstanceSpec([CPUS[-1]], 1, 4)], frontdoor_cpus=[CPUS[0]])
     spec.save(tmp_path / "spec.json")
-    job = subprocess.run([sys.executable, "-m", "reamer.serve.job", "--spec", str(tmp_path / "spec.json")],
+    job = subprocess.run([sys.executable, "-m", "reamer.serve.runtime.job", "--spec", str(tmp_path / "spec.json")],
                          cwd=REPO, timeout=300, capture_output=True, text=True)
     assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-2000:]
     for stem, arr in words.items():

@@ -6,8 +6,8 @@ import pytest
 from reamer.host.errors import ReamerError
 from reamer.host.perf import CounterSample, PerfSupport, probe_perf
 from reamer.plan.partition import ProfilePoint
-from reamer.serve import characterise as ch
-from reamer.serve.characterise import (BatchCounters, characterise, classify_from_counters,
+from reamer.serve.measure import characterise as ch
+from reamer.serve.measure.characterise import (BatchCounters, characterise, classify_from_counters,
                                        classify_from_scaling)
 from reamer.serve.models import build_model
 
@@ -83,7 +83,7 @@ def test_without_counters_falls_back_to_scaling_and_says_so_once(tiny, caplog, m
         support = PerfSupport(False, 2, "forced off for this test")
     monkeypatch.setattr(ch, "_warned_no_counters", False)
     kw = dict(cpus=CPUS[:2], batches=(2,), probe=lambda: support, **FAST)
-    with caplog.at_level(logging.WARNING, logger="reamer.serve.characterise"):
+    with caplog.at_level(logging.WARNING, logger="reamer.serve.measure.characterise"):
         first = characterise(tiny, "onnxruntime", **kw)
         second = characterise(tiny, "onnxruntime", **kw)
     assert first.counters_available is False and first.counters == []

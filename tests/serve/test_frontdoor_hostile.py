@@ -1,4 +1,4 @@
-"""The REST front door of a real online job process (uvloop, `python -m reamer.serve.job`) under hostile
+"""The REST front door of a real online job process (uvloop, `python -m reamer.serve.runtime.job`) under hostile
 clients on loopback: slowloris, stalled bodies, clients that never read, oversized URLs, headers and bodies,
 deep JSON, malformed fields, more connections than the cap. Every test keeps a normal tritonclient client
 inferring meanwhile, and asserts what a client sees (status, a closed connection) and that the job's
@@ -493,7 +493,7 @@ def test_memory_of_the_job_stays_bounded_after_all_of_it(job):
 
 
 def test_job_log_is_copied_aside_and_truncated_past_its_limit(tmp_path):
-    from reamer.serve.joblog import bound_log
+    from reamer.serve.runtime.joblog import bound_log
 
     path = tmp_path / "job.log"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # as the agent opens it
@@ -518,7 +518,7 @@ def test_job_log_is_copied_aside_and_truncated_past_its_limit(tmp_path):
 
 def test_unknown_frontdoor_settings_are_refused_by_name():
     from reamer.host.errors import ReamerError
-    from reamer.serve.frontdoor import DoorLimits
+    from reamer.serve.doors.rest import DoorLimits
 
     assert DoorLimits.from_settings(2, {"max_buffered_mb": 8, "json_offload_kb": 1}).max_buffered_bytes == 8 << 20
     with pytest.raises(ReamerError, match="max_conections"):
@@ -558,7 +558,7 @@ def test_request_bodies_held_by_all_connections_are_capped_with_503(job, referen
 
 
 def test_refusals_are_logged_at_most_burst_lines_per_window(capsys):
-    from reamer.serve.frontdoor import ClientErrorLog
+    from reamer.serve.doors.rest import ClientErrorLog
 
     log = ClientErrorLog(burst=3, window_s=3600)
     for i in range(10):
@@ -574,7 +574,7 @@ def test_refusals_are_logged_at_most_burst_lines_per_window(capsys):
 def test_the_agent_config_reaches_the_job_spec_and_its_limits(tmp_path):
     from reamer.agent.config import load_config
     from reamer.agent.inference import InferenceRecord, InferenceSupervisor
-    from reamer.serve.frontdoor import DoorLimits
+    from reamer.serve.doors.rest import DoorLimits
 
     config = load_config(None, {"inference.frontdoor.max_connections": 7, "inference.frontdoor.max_buffered_mb": 32,
                                 "inference.job_log_mb": 2, "inference.max_request_mb": 4})

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from reamer.serve.backends import open_backend
-from reamer.serve.grpc_v2 import messages as pb
+from reamer.serve.doors.grpc_v2 import messages as pb
 from reamer.serve.models import build_model
 from tests.conftest import wait_for
 from tests.serve.jobs import RunningJob

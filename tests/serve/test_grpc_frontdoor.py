@@ -1,4 +1,4 @@
-"""The gRPC front door of a real online job (`python -m reamer.serve.job`): tritonclient.grpc and a plain
+"""The gRPC front door of a real online job (`python -m reamer.serve.runtime.job`): tritonclient.grpc and a plain
 KServe-v2 gRPC client (typed contents) against it, next to REST on the same job."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
 from reamer.serve.backends import open_backend
-from reamer.serve.model_config import max_request_rows
-from reamer.serve.grpc_v2 import messages as pb
+from reamer.serve.protocol.model_config import max_request_rows
+from reamer.serve.doors.grpc_v2 import messages as pb
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
 from tests.conftest import wait_for
@@ -66,7 +66,7 @@ def _triton_inputs(feeds: dict[str, np.ndarray]) -> list:
 
 
 def job_inputs() -> list:
-    from reamer.serve.tensors import TensorInfo
+    from reamer.serve.protocol.tensors import TensorInfo
 
     return [TensorInfo("x", "FP32", [-1, 8]), TensorInfo("ids", "INT64", [-1, 4])]
 
@@ -305,7 +305,7 @@ def _identity_model(path, datatypes: list[str]) -> str:
     import onnx
     from onnx import helper
 
-    from reamer.serve.tensors import v2_to_onnx
+    from reamer.serve.protocol.tensors import v2_to_onnx
 
     nodes = [helper.make_node("Identity", [f"in_{d}"], [f"out_{d}"]) for d in datatypes]
     graph = helper.make_graph(nodes, "dtypes",
@@ -354,7 +354,7 @@ def test_every_typed_datatype_from_a_plain_kserve_v2_client(tmp_path):
     names = [d for d in DTYPES if d not in RAW_ONLY]
     j = grpc_job(_identity_model(tmp_path / "typed.onnx", names), tmp_path, name="typed")
     try:
-        from reamer.serve.grpc_frontdoor import CONTENTS_FIELD
+        from reamer.serve.doors.grpc import CONTENTS_FIELD
 
         channel, infer = _rpc(j.grpc, "ModelInfer")
         with channel:
@@ -407,8 +407,8 @@ def test_a_grpc_port_in_use_fails_the_start_with_the_fix():
     import socket
 
     from reamer.host.errors import ReamerError
-    from reamer.serve.batcher import DynamicBatcher
-    from reamer.serve.grpc_frontdoor import GrpcFrontDoor, GrpcV2Service
+    from reamer.serve.runtime.batcher import DynamicBatcher
+    from reamer.serve.doors.grpc import GrpcFrontDoor, GrpcV2Service
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -467,7 +467,7 @@ def test_a_job_whose_grpc_port_is_taken_fails_saying_so(model, tmp_path):
         spec = JobSpec(name="mio", kind="online", model=model, port=0, grpc_port=port, host="127.0.0.1",
                        run_dir=str(tmp_path / "run"), instances=[InstanceSpec([CPUS[-1]], 1, 1)])
         spec.save(tmp_path / "spec.json")
-        job = subprocess.run([sys.executable, "-m", "reamer.serve.job", "--spec", str(tmp_path / "spec.json")],
+        job = subprocess.run([sys.executable, "-m", "reamer.serve.runtime.job", "--spec", str(tmp_path / "spec.json")],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert job.returncode == 1, job.stderr[-2000:]
     status = JobStatus.load(tmp_path / "run" / "status.json")

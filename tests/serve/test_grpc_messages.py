@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from reamer.serve.grpc_v2 import messages as pb
-from reamer.serve.grpc_v2._descriptors import FILE_DESCRIPTOR_SET
+from reamer.serve.doors.grpc_v2 import messages as pb
+from reamer.serve.doors.grpc_v2._descriptors import FILE_DESCRIPTOR_SET
 
 
 def _fields(descriptor, seen=None) -> dict:
@@ -46,7 +46,7 @@ def test_data_types_match_tritons_enum():
 
 def test_descriptors_are_what_the_protos_compile_to():
     pytest.importorskip("grpc_tools", reason="grpcio-tools is needed to recompile the .proto files")
-    from reamer.serve.grpc_v2.regenerate import compile_protos
+    from reamer.serve.doors.grpc_v2.regenerate import compile_protos
 
     assert compile_protos() == FILE_DESCRIPTOR_SET, \
-        "the .proto files changed: run `python -m reamer.serve.grpc_v2.regenerate`"
+        "the .proto files changed: run `python -m reamer.serve.doors.grpc_v2.regenerate`"

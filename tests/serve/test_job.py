@@ -1,4 +1,4 @@
-"""`python -m reamer.serve.job` as a real process: online serving, SIGHUP reconfiguration, SIGTERM."""
+"""`python -m reamer.serve.runtime.job` as a real process: online serving, SIGHUP reconfiguration, SIGTERM."""
 import signal
 
 import httpx
@@ -6,7 +6,7 @@ import numpy as np
 import psutil
 import pytest
 
-from reamer.serve.job import main as job_main
+from reamer.serve.runtime.job import main as job_main
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec, JobSpec, read_events
 from tests.conftest import wait_for

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from reamer.serve.joblog import bound_log
+from reamer.serve.runtime.joblog import bound_log
 from tests.conftest import IS_ROOT
 
 NOBODY = 65534

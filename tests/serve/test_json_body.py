@@ -1,4 +1,4 @@
-"""The simdjson read of large JSON bodies (reamer.serve.json_body) gives exactly what the general path (orjson,
+"""The simdjson read of large JSON bodies (reamer.serve.protocol.json_body) gives exactly what the general path (orjson,
 numpy) gives: the same array, or the same 400 message, for every body it might see."""
 import json
 
@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reamer.serve import frontdoor
-from reamer.serve.frontdoor import BadRequest, decode_request
-from reamer.serve.json_body import FloatData, read_large_request
-from reamer.serve.tensors import TensorInfo
+from reamer.serve.doors import rest
+from reamer.serve.doors.rest import BadRequest, decode_request
+from reamer.serve.protocol.json_body import FloatData, read_large_request
+from reamer.serve.protocol.tensors import TensorInfo
 
 N = 3 * 64 * 64  # over LARGE_JSON_BYTES as JSON text
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from reamer.plan.layout import format_layout
-from reamer.serve.layout_search import MeasureSettings, batch_choices, cached_points, search_layout
+from reamer.search.on_cores import MeasureSettings, batch_choices, cached_points, search_layout
 from reamer.serve.models import build_model
 
 FAST = MeasureSettings(warmup_s=0.05, window_s=0.05, max_windows=4, verify_windows=2)
@@ -86,7 +86,7 @@ def test_an_online_layout_gets_half_the_slo_for_its_batch(tiny, tmp_path):
     """A request may wait for the batch before its own: a batch of 400 ms meets a 1 s SLO, not a 500 ms one,
     though its p99 alone is under 500."""
     from reamer.plan.partition import ProfilePoint
-    from reamer.serve.layout_search import store_points
+    from reamer.search.on_cores import store_points
 
     cache = tmp_path / "cache"
     store_points(cache, tiny, "onnxruntime", [ProfilePoint(1, 1, 100.0, 20.0), ProfilePoint(1, 2, 150.0, 200.0),
@@ -109,7 +109,7 @@ def test_near_equal_leaders_are_run_off_in_finals_whose_means_decide(tiny):
 
     from reamer.plan.layout import parse_layout
     from reamer.plan.partition import Candidate
-    from reamer.serve.layout_search import FinalsSettings, _run_finals, _Runs
+    from reamer.search.on_cores import FinalsSettings, _run_finals, _Runs
 
     finals = FinalsSettings(window_s=0.05, windows=2, rewarm_s=0.01)
     searched = [Candidate(parse_layout(text), math.nan, math.nan, rps, 1.0)

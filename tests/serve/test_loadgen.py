@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from reamer.host.errors import ReamerError
-from reamer.serve.loadgen import (LoadResult, RequestRecord, infer_url, poisson_schedule, run_load,
+from reamer.serve.measure.loadgen import (LoadResult, RequestRecord, infer_url, poisson_schedule, run_load,
                                   v2_request_body)
 
 

@@ -12,10 +12,10 @@ import pytest
 
 from reamer.serve.backends import open_backend
 from reamer.serve.models import build_model
-from reamer.serve.offline import OfflineInputError, OfflineRunner, list_inputs, load_inputs, read_npz
+from reamer.serve.runtime.offline import OfflineInputError, OfflineRunner, list_inputs, load_inputs, read_npz
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus, is_temp_file, read_events
-from reamer.serve.tensors import TensorInfo
-from reamer.serve.worker import InstanceWorker
+from reamer.serve.protocol.tensors import TensorInfo
+from reamer.serve.runtime.worker import InstanceWorker
 from tests.conftest import wait_for
 
 CPUS = sorted(os.sched_getaffinity(0))
@@ -148,7 +148,7 @@ def _job_spec(tmp_path, model, **kw):
 
 
 def _start_job(spec_path):
-    return subprocess.Popen([sys.executable, "-m", "reamer.serve.job", "--spec", str(spec_path)], cwd=REPO)
+    return subprocess.Popen([sys.executable, "-m", "reamer.serve.runtime.job", "--spec", str(spec_path)], cwd=REPO)
 
 
 def _status(tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from reamer.serve.backends import BackendError, effective_precision, open_backend
-from reamer.serve.profile_cache import file_sha256, model_key
+from reamer.serve.measure.profile_cache import file_sha256, model_key
 from reamer.serve.spec import InstanceSpec, JobSpec, SpecError, canonical_precision
 from tests.acceptance.exported_models import SPECS, BuildUnavailable, ensure_models
 
@@ -159,7 +159,7 @@ def test_cache_key_keeps_f32_keys_and_separates_bf16_openvino(models_dir):
 
 
 def test_a_bf16_point_is_never_served_to_an_f32_search(models_dir, tmp_path):
-    from reamer.serve.layout_search import MeasureSettings, cached_points, search_layout
+    from reamer.search.on_cores import MeasureSettings, cached_points, search_layout
 
     path = str(models_dir / "resnet.onnx")
     cpus = sorted(os.sched_getaffinity(0))[-1:]

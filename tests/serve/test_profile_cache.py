@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from reamer.plan.partition import ProfilePoint
-from reamer.serve.profile_cache import ProfileCache, file_sha256, model_key
+from reamer.serve.measure.profile_cache import ProfileCache, file_sha256, model_key
 
 POINTS = [ProfilePoint(1, 1, 100.5, 2.5), ProfilePoint(2, 8, 350.0, 11.25)]
 

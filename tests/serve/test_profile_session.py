@@ -10,10 +10,10 @@ import time
 import pytest
 
 from reamer.plan.layout import parse_layout
-from reamer.serve import profiler
-from reamer.serve.layout_search import MeasureSettings, _Runs, search_layout
+from reamer.serve.measure import profiler
+from reamer.search.on_cores import MeasureSettings, _Runs, search_layout
 from reamer.serve.models import build_model
-from reamer.serve.profiler import PointSession, ProfileError, ProfileWorker, WorkerConfig
+from reamer.serve.measure.profiler import PointSession, ProfileError, ProfileWorker, WorkerConfig
 from tests.acceptance.exported_models import BuildUnavailable, ensure_models
 
 FAST = {"warmup_s": 0.1, "window_s": 0.1, "max_windows": 4}

@@ -8,7 +8,7 @@ from reamer.host.errors import ReamerError
 from reamer.plan.layout import parse_layout
 from reamer.plan.partition import ProfilePoint
 from reamer.serve.models import build_model
-from reamer.serve.profiler import (LayoutSession, ProfileError, ProfileWorker, WorkerConfig, layout_verifier,
+from reamer.serve.measure.profiler import (LayoutSession, ProfileError, ProfileWorker, WorkerConfig, layout_verifier,
                                    measure_layout, measure_layout_detail, measure_point, point_measurer,
                                    window_is_stable)
 

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from reamer.serve.profile_cache import model_key
+from reamer.serve.measure.profile_cache import model_key
 from reamer.serve.samples import (SampleError, SampleSpec, explain_failure, model_inputs, parse_shape_option,
                                   plan_samples, sample_batch, shapes_from_doc, shapes_from_options)
-from reamer.serve.tensors import TensorInfo
+from reamer.serve.protocol.tensors import TensorInfo
 from tests.serve.bertlike import bert_feeds, build_bertlike
 
 BERT = [TensorInfo(n, "INT64", [-1, -1]) for n in ("input_ids", "attention_mask", "token_type_ids")]
@@ -160,7 +160,7 @@ def test_one_shape_sizes_the_inputs_that_share_its_named_dims(bert):
 def test_deploy_chooser_plans_from_the_profile_of_the_deployed_traffic(bert, tmp_path):
     from reamer.agent.inference import ProfileCacheChooser
     from reamer.plan.partition import ProfilePoint
-    from reamer.serve.profile_cache import ProfileCache
+    from reamer.serve.measure.profile_cache import ProfileCache
 
     seq128 = SampleSpec({"input_ids": (1, 128)})
     ProfileCache(tmp_path).put(model_key(bert, "onnxruntime", samples=seq128), [ProfilePoint(1, 1, 100.0, 5.0)])

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from reamer.plan.partition import ProfilePoint
-from reamer.serve.layout_search import MeasureSettings, _BudgetSpent, _Runs
+from reamer.search.on_cores import MeasureSettings, _BudgetSpent, _Runs
 
 SETTINGS = MeasureSettings(warmup_s=1.0, window_s=0.5, max_windows=10, verify_windows=4)
 

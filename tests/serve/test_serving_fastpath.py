@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from reamer.serve.backends import open_backend
-from reamer.serve.batcher import DynamicBatcher
-from reamer.serve.frontdoor import FrontDoor, V2App
+from reamer.serve.runtime.batcher import DynamicBatcher
+from reamer.serve.doors.rest import FrontDoor, V2App
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec
-from reamer.serve.worker import INLINE_MAX_BYTES, InstanceCrashed, InstanceWorker, _shareable
+from reamer.serve.runtime.worker import INLINE_MAX_BYTES, InstanceCrashed, InstanceWorker, _shareable
 from tests.conftest import wait_for
 
 CPU = sorted(os.sched_getaffinity(0))[-1]

@@ -1,6 +1,6 @@
 import pytest
 
-from reamer.serve.stats import DoorLoad, FrontDoorLoad, OverloadDetector, RequestStats
+from reamer.serve.measure.stats import DoorLoad, FrontDoorLoad, OverloadDetector, RequestStats
 
 
 def test_percentiles_rate_and_attainment_over_window():

@@ -3,7 +3,7 @@ import pytest
 from onnx import TensorProto
 
 from reamer.host.errors import ReamerError
-from reamer.serve import tensors
+from reamer.serve.protocol import tensors
 
 
 @pytest.mark.parametrize(

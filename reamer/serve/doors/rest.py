@@ -53,14 +53,14 @@ import numpy as np
 import orjson
 
 from reamer.host.errors import ReamerError
-from reamer.serve.batcher import DynamicBatcher, ModelFault, NotReady, Overloaded, RequestTiming
-from reamer.serve.json_body import FloatData, read_large_request
-from reamer.serve.model_config import model_config
-from reamer.serve.tensors import (BadBytesTensor, TensorInfo, UnsupportedDatatype, numpy_to_v2, split_length_prefixed,
+from reamer.serve.runtime.batcher import DynamicBatcher, ModelFault, NotReady, Overloaded, RequestTiming
+from reamer.serve.protocol.json_body import FloatData, read_large_request
+from reamer.serve.protocol.model_config import model_config
+from reamer.serve.protocol.tensors import (BadBytesTensor, TensorInfo, UnsupportedDatatype, numpy_to_v2, split_length_prefixed,
                                    text_tensor, text_values, v2_to_numpy)
-from reamer.serve.v2wire import (HEADER_LENGTH, SERVER_NAME, SERVER_VERSION, ReplyPlan, binary_body, http_head,
+from reamer.serve.protocol.v2wire import (HEADER_LENGTH, SERVER_NAME, SERVER_VERSION, ReplyPlan, binary_body, http_head,
                                   le_bytes, server_timing)
-from reamer.serve.worker import InferenceFailed, Replied, ReplyBroken, WorkerError
+from reamer.serve.runtime.worker import InferenceFailed, Replied, ReplyBroken, WorkerError
 
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 

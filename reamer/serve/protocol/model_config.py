@@ -16,8 +16,8 @@ import math
 from reamer.plan.online_sim import MAX_WAIT_SHARE_OF_SLO
 
 if TYPE_CHECKING:
-    from reamer.serve.batcher import DynamicBatcher
-    from reamer.serve.tensors import TensorInfo
+    from reamer.serve.runtime.batcher import DynamicBatcher
+    from reamer.serve.protocol.tensors import TensorInfo
 
 
 def triton_data_type(datatype: str) -> str:

@@ -1,6 +1,6 @@
 """Measure a model's throughput and latency on given CPUs, the way perf_analyzer does.
 
-Each instance runs in its own worker process (`python -m reamer.serve.profiler --worker CONFIG`)
+Each instance runs in its own worker process (`python -m reamer.serve.measure.profiler --worker CONFIG`)
 that pins itself to its CPUs *before* importing numpy or the runtime, so every runtime thread
 inherits the affinity. The worker loads the model with threads = its cores, warms up (discarded),
 says READY, waits for GO, then runs closed-loop batches in windows:
@@ -157,7 +157,7 @@ def child_start(module: str, args: list[str], env: dict[str, str] | None = None)
 def _worker_start(config: WorkerConfig) -> tuple[list[str], dict[str, Any]]:
     """The worker's command line and Popen arguments (who it runs as, its environment, cwd, limits)."""
     threads = {"OMP_NUM_THREADS": str(config.threads), "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return child_start("reamer.serve.profiler", ["--worker", json.dumps(asdict(config))], threads)
+    return child_start("reamer.serve.measure.profiler", ["--worker", json.dumps(asdict(config))], threads)
 
 
 class ProfileWorker:
@@ -603,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--worker":
         return _worker_main(argv[1])
-    sys.stderr.write("usage: python -m reamer.serve.profiler --worker CONFIG_JSON (started by reamer itself)\n")
+    sys.stderr.write("usage: python -m reamer.serve.measure.profiler --worker CONFIG_JSON (started by reamer itself)\n")
     return 64
 
 

@@ -40,13 +40,13 @@ import numpy as np
 
 from reamer.host.errors import ReamerError
 from reamer.plan.online_sim import MAX_WAIT_SHARE_OF_SLO
-from reamer.serve.batchability import Batchability
-from reamer.serve.model_stats import ModelStatistics
-from reamer.serve.stats import RequestStats
-from reamer.serve.worker import InferenceFailed, InstanceWorker, Replied, WorkerError
+from reamer.serve.runtime.batchability import Batchability
+from reamer.serve.protocol.model_stats import ModelStatistics
+from reamer.serve.measure.stats import RequestStats
+from reamer.serve.runtime.worker import InferenceFailed, InstanceWorker, Replied, WorkerError
 
 if TYPE_CHECKING:
-    from reamer.serve.tensors import TensorInfo
+    from reamer.serve.protocol.tensors import TensorInfo
 
 
 class Overloaded(ReamerError):

@@ -23,13 +23,13 @@ from reamer.plan.admission import batch_latency_target_ms
 from reamer.plan.layout import InstanceShape, Layout, count_layouts, format_layout, parse_layout
 from reamer.plan.online_sim import rank_by_sustained
 from reamer.plan.partition import NEAR_TIE, Candidate, NoFeasibleLayout, ProfilePoint, near_ties
-from reamer.plan.search import (BackendScreen, SearchResult, count_backend_layouts, exhaustive_search,
+from reamer.search.method import (BackendScreen, SearchResult, count_backend_layouts, exhaustive_search,
                                 plan_from_profile, quick_search_backends)
-from reamer.serve.batchability import check_batchability
+from reamer.serve.runtime.batchability import check_batchability
 from reamer.serve.samples import SampleSpec
 
 if TYPE_CHECKING:
-    from reamer.serve.profiler import LayoutSession, PointSession
+    from reamer.serve.measure.profiler import LayoutSession, PointSession
 
 log = logging.getLogger("reamer.layout_search")
 
@@ -48,7 +48,7 @@ class ProfileCacheUnwritable(ReamerError):
 
 @dataclass(frozen=True)
 class MeasureSettings:
-    """How long each measurement runs (see reamer.serve.profiler)."""
+    """How long each measurement runs (see reamer.serve.measure.profiler)."""
 
     warmup_s: float = 1.0
     window_s: float = 0.5
@@ -144,7 +144,7 @@ def cached_points(cache_dir: str | os.PathLike | None, model_path: str, backend:
     """The single-instance points cached for (model, backend, this CPU model, traffic); [] when none."""
     if not cache_dir:
         return []
-    from reamer.serve.profile_cache import ProfileCache, model_key
+    from reamer.serve.measure.profile_cache import ProfileCache, model_key
 
     return ProfileCache(cache_dir).get(model_key(model_path, backend, samples=samples, precision=precision)) or []
 
@@ -155,7 +155,7 @@ def store_points(cache_dir: str | os.PathLike, model_path: str, backend: str, ne
     if not new_points:
         return
     from reamer.serve.backends import compute_precision
-    from reamer.serve.profile_cache import ProfileCache, model_key
+    from reamer.serve.measure.profile_cache import ProfileCache, model_key
 
     cache, key = ProfileCache(cache_dir), model_key(model_path, backend, samples=samples, precision=precision)
     merged = {(p.cores, p.batch): p for p in cache.get(key) or []}  # re-read: another search may have added
@@ -187,7 +187,7 @@ class _Runs:
     """The search's measure/verify callbacks: cached points first, every run recorded, a time budget.
 
     Points are measured by one worker kept loaded while the search walks the batches of one core count
-    (reamer.serve.profiler.PointSession); it is closed before a layout runs, before another core count or
+    (reamer.serve.measure.profiler.PointSession); it is closed before a layout runs, before another core count or
     backend is measured, and by close() when the search ends."""
 
     def __init__(self, model_path: str, backend: str, cpus: list[int], settings: MeasureSettings,
@@ -250,7 +250,7 @@ class _Runs:
     def _point_session(self, cores: int) -> "PointSession":
         """The worker for points on `cores` cores: the loaded one when it is this backend's on as many cores,
         else a new one (the search's other point worker closed first)."""
-        from reamer.serve.profiler import PointSession
+        from reamer.serve.measure.profiler import PointSession
 
         live = self.worker.session
         if live is not None and (live.cores != cores or live.config.backend != self.backend):
@@ -290,7 +290,7 @@ class _Runs:
         return slowest
 
     def verify(self, layout: Layout) -> tuple[float, float]:
-        from reamer.serve.profiler import measure_layout
+        from reamer.serve.measure.profiler import measure_layout
 
         self.close()  # the layout's instances run alone on the cpus: no idle point worker beside them
         timeout_s = self._timeout_s(self.expected_s(self.slowest_batch_ms(layout), self.settings.verify_windows))
@@ -306,7 +306,7 @@ class _Runs:
         return rps, p99
 
     def finals_session(self, layout: Layout, finals: FinalsSettings) -> "LayoutSession":
-        from reamer.serve.profiler import LayoutSession
+        from reamer.serve.measure.profiler import LayoutSession
 
         return LayoutSession(self.model_path, self.backend, layout, self.cpus, warmup_s=self.settings.warmup_s,
                              window_s=finals.window_s, windows=finals.windows, samples=self.samples,
@@ -410,7 +410,7 @@ def search_layout(
     SLO, the finalists are then ranked by the rate each sustains under it, simulated (plan.online_sim).
     `frontdoor_cpu_ms` (online, no cpu reserved for the front door): the front door's cpu per request; a layout
     on every one of `cpus` carries it (plan.frontdoor.charge_candidates) and the best layout leaving it one cpu
-    competes, verified if the budget allows. Raises reamer.serve.profiler.ProfileError when a measurement fails (points
+    competes, verified if the budget allows. Raises reamer.serve.measure.profiler.ProfileError when a measurement fails (points
     measured before it are still cached) and, with `strict_cache`, ProfileCacheUnwritable when the
     cache cannot be written (else that is logged and the outcome returned).
     """
@@ -579,7 +579,7 @@ def _screened(runs: dict, backends: list[str]) -> Callable[[str, int, int], Prof
     """The search's measure, where a backend that cannot run the model at all (OpenVINO and a string or
     custom-op model) measures nothing (0/s) while another backend still can: screening drops it, with the
     runtime's reason logged, instead of failing the whole "auto" search. Only the last backend's failure raises."""
-    from reamer.serve.profiler import ProfileError
+    from reamer.serve.measure.profiler import ProfileError
 
     failed: dict[str, str] = {}
 
@@ -606,7 +606,7 @@ def _run_finals(candidates: list[Candidate], target_ms: float | None, runs_of: C
     `target_ms` rank first. As many finalists (two at least), then rounds, as fit before `deadline`. Returns
     the candidates and how many of the first are finalists meeting `target_ms` (0: no finals ran,
     `candidates` unchanged)."""
-    from reamer.serve.profiler import ProfileError
+    from reamer.serve.measure.profiler import ProfileError
 
     finalists = near_ties(candidates, target_ms, finals.margin)[:finals.finalists]
     left = math.inf if deadline is None else deadline - time.monotonic()

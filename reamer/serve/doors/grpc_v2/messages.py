@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from reamer.serve.grpc_v2._descriptors import FILE_DESCRIPTOR_SET
+from reamer.serve.doors.grpc_v2._descriptors import FILE_DESCRIPTOR_SET
 
 SERVICE = "inference.GRPCInferenceService"
 

@@ -33,8 +33,8 @@ import numpy as np
 from reamer.host.errors import ReamerError
 from reamer.host.sched import set_nice
 from reamer.serve.spec import append_event, is_temp_file, write_atomic
-from reamer.serve.tensors import BadBytesTensor, TensorInfo, as_text_array, storable_text, v2_to_numpy
-from reamer.serve.worker import InstanceCrashed, InstanceWorker, WorkerError
+from reamer.serve.protocol.tensors import BadBytesTensor, TensorInfo, as_text_array, storable_text, v2_to_numpy
+from reamer.serve.runtime.worker import InstanceCrashed, InstanceWorker, WorkerError
 
 INPUT_SUFFIXES = (".npy", ".npz")
 # The runner's own threads (reading inputs, handing batches over, writing results) run at this nice

@@ -1,4 +1,4 @@
-"""Run one inference job: `python -m reamer.serve.job --spec SPEC.json`.
+"""Run one inference job: `python -m reamer.serve.runtime.job --spec SPEC.json`.
 
 The job process pins itself to `frontdoor_cpus`, starts one worker per instance, and then serves
 (online: v2 REST and gRPC front doors + dynamic batcher) or works through its inputs (offline). It writes
@@ -27,9 +27,9 @@ import uvloop
 from reamer.host.errors import ReamerError
 from reamer.host.malloc import keep_large_buffers
 from reamer.host.sched import ThreadGone, set_affinity, threads_of
-from reamer.serve.joblog import bound_log
+from reamer.serve.runtime.joblog import bound_log
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus, SpecError, append_event, plan_reconcile
-from reamer.serve.worker import InstanceWorker, WorkerStartError
+from reamer.serve.runtime.worker import InstanceWorker, WorkerStartError
 
 STATUS_PERIOD_S = 0.5
 OVERLOAD_SUSTAIN_S = 3.0
@@ -150,10 +150,10 @@ class Job:
 
     # -- online
     async def _run_online(self) -> int:
-        from reamer.serve.batcher import DynamicBatcher
-        from reamer.serve.frontdoor import DoorLimits, FrontDoor, V2App
-        from reamer.serve.grpc_frontdoor import GrpcFrontDoor, GrpcV2Service
-        from reamer.serve.stats import FrontDoorLoad, OverloadDetector, RequestStats
+        from reamer.serve.runtime.batcher import DynamicBatcher
+        from reamer.serve.doors.rest import DoorLimits, FrontDoor, V2App
+        from reamer.serve.doors.grpc import GrpcFrontDoor, GrpcV2Service
+        from reamer.serve.measure.stats import FrontDoorLoad, OverloadDetector, RequestStats
 
         spec = self.spec
         loop = asyncio.get_running_loop()
@@ -289,7 +289,7 @@ class Job:
 
     # -- offline
     def _run_offline(self) -> int:
-        from reamer.serve.offline import OfflineRunner
+        from reamer.serve.runtime.offline import OfflineRunner
 
         spec = self.spec
         runner = OfflineRunner(spec.input_dir, spec.output_dir, self.run_dir)
@@ -367,7 +367,7 @@ class Job:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m reamer.serve.job", description="Run one reamer inference job.")
+    parser = argparse.ArgumentParser(prog="python -m reamer.serve.runtime.job", description="Run one reamer inference job.")
     parser.add_argument("--spec", required=True, help="path of the job spec JSON")
     args = parser.parse_args(argv)
     keep_large_buffers()  # request bodies and offline inputs: reuse heap memory, no page faults per buffer

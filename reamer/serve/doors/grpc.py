@@ -31,14 +31,14 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from reamer.host.errors import ReamerError
-from reamer.serve.batcher import DynamicBatcher, ModelFault, NotReady, Overloaded, RequestTiming
-from reamer.serve.frontdoor import DoorLimits, describe_tensors
-from reamer.serve.grpc_v2 import messages as pb
-from reamer.serve.model_config import fill_grpc_config, model_config
-from reamer.serve.tensors import (BadBytesTensor, TensorInfo, UnsupportedDatatype, split_length_prefixed, text_tensor,
+from reamer.serve.runtime.batcher import DynamicBatcher, ModelFault, NotReady, Overloaded, RequestTiming
+from reamer.serve.doors.rest import DoorLimits, describe_tensors
+from reamer.serve.doors.grpc_v2 import messages as pb
+from reamer.serve.protocol.model_config import fill_grpc_config, model_config
+from reamer.serve.protocol.tensors import (BadBytesTensor, TensorInfo, UnsupportedDatatype, split_length_prefixed, text_tensor,
                                    v2_to_numpy)
-from reamer.serve.v2wire import SERVER_NAME, SERVER_VERSION, le_bytes, server_timing
-from reamer.serve.worker import InferenceFailed, WorkerError
+from reamer.serve.protocol.v2wire import SERVER_NAME, SERVER_VERSION, le_bytes, server_timing
+from reamer.serve.runtime.worker import InferenceFailed, WorkerError
 
 GRACE_S = 10.0  # a stop waits this long for requests in flight
 

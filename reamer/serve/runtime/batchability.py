@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:
     import numpy as np
 
-    from reamer.serve.tensors import TensorInfo
+    from reamer.serve.protocol.tensors import TensorInfo
 
 PROBE_TIMEOUT_S = 300.0
 # Rows computed in one batch may differ from rows computed alone by the kernels' summation order: these
@@ -151,11 +151,11 @@ def decide(backend: Any, samples_doc: dict | None) -> Batchability:
 
 def check_batchability(backend: str, model_path: str, samples_doc: dict | None = None,
                        timeout_s: float = PROBE_TIMEOUT_S) -> Batchability | None:
-    """decide() in a child process (`python -m reamer.serve.batchability`: the caller never loads a runtime
+    """decide() in a child process (`python -m reamer.serve.runtime.batchability`: the caller never loads a runtime
     itself); None when the check could not finish (no evidence either way)."""
-    from reamer.serve.profiler import child_start
+    from reamer.serve.measure.profiler import child_start
 
-    argv, how = child_start("reamer.serve.batchability", [backend, model_path, json.dumps(samples_doc or {})])
+    argv, how = child_start("reamer.serve.runtime.batchability", [backend, model_path, json.dumps(samples_doc or {})])
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, **how)
     except subprocess.TimeoutExpired:

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 
 from reamer.host.errors import ReamerError
-from reamer.serve.tensors import numpy_to_v2
+from reamer.serve.protocol.tensors import numpy_to_v2
 
 RequestStatus = Literal["ok", "shed", "error"]
 
@@ -129,7 +129,7 @@ async def run_load_async(url: str, body: dict | bytes, rate_rps: float, duration
                          headers: dict[str, str] | None = None) -> LoadResult:
     """Send `body` to `url` at Poisson arrivals for `duration_s`; wait for every answer (or timeout).
 
-    `headers`: the request's headers (default JSON; binary tensors need their own, see reamer.serve.v2wire)."""
+    `headers`: the request's headers (default JSON; binary tensors need their own, see reamer.serve.protocol.v2wire)."""
     schedule = poisson_schedule(rate_rps, duration_s, np.random.default_rng(seed))
     payload = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = headers or {"content-type": "application/json"}

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from reamer.host.errors import ReamerError
 from reamer.serve.spec import InstanceSpec, append_event, static_batch_for
-from reamer.serve.v2wire import binary_reply  # light (json, http); numpy only inside its functions
+from reamer.serve.protocol.v2wire import binary_reply  # light (json, http); numpy only inside its functions
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from reamer.serve.batchability import Batchability
+    from reamer.serve.runtime.batchability import Batchability
 
-    from reamer.serve.tensors import TensorInfo
+    from reamer.serve.protocol.tensors import TensorInfo
 
 
 class WorkerError(ReamerError):
@@ -195,7 +195,7 @@ def _shareable(arrays: dict[str, np.ndarray]) -> bool:
 
 # The worker is a fresh interpreter that imports only this light module before it pins itself and
 # sets its policy; numpy's BLAS pool and the runtime start their threads after that and inherit both.
-_BOOTSTRAP = "import sys; from reamer.serve.worker import child_main; child_main(sys.argv[1:])"
+_BOOTSTRAP = "import sys; from reamer.serve.runtime.worker import child_main; child_main(sys.argv[1:])"
 
 
 def child_main(argv: list[str]) -> None:
@@ -271,7 +271,7 @@ def _warm_up(backend: Any, samples_doc: dict | None) -> float:
 
 def _batchability(backend: Any, samples_doc: dict | None) -> Any:
     """Whether this model may be batched (batchability.decide); not batchable when the check itself fails."""
-    from reamer.serve.batchability import Batchability, decide
+    from reamer.serve.runtime.batchability import Batchability, decide
 
     try:
         return decide(backend, samples_doc)
@@ -435,7 +435,7 @@ class InstanceWorker:
     # -- lifecycle
     def start(self) -> None:
         """Spawn the worker and wait until it is warmed up; WorkerStartError with the child's reason."""
-        from reamer.serve.tensors import TensorInfo
+        from reamer.serve.protocol.tensors import TensorInfo
 
         if self._conn is not None:  # the pipe of a previous (dead) process
             try:
@@ -489,7 +489,7 @@ class InstanceWorker:
         if self.latency_ewma_s is None:
             self.latency_ewma_s = max(info["warmup_latency_s"], 1e-6)
         self.effective_precision = info.get("precision")
-        from reamer.serve.batchability import Batchability
+        from reamer.serve.runtime.batchability import Batchability
 
         doc = info.get("batchability")
         self.batchability = Batchability.from_doc(doc) if doc else Batchability(False, "the worker did not say")

@@ -25,7 +25,7 @@ from reamer.host import perf
 from reamer.host.errors import ReamerError
 from reamer.host.perf import CounterSample, PerfSupport, PerfUnsupported
 from reamer.plan.partition import ProfilePoint
-from reamer.serve import profiler
+from reamer.serve.measure import profiler
 from reamer.serve.samples import SampleSpec
 from reamer.serve.spec import static_batch_for
 

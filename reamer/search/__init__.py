@@ -1,0 +1,1 @@
+"""The layout search: the method (pure) and its run on real cores."""

@@ -1,0 +1,1 @@
+"""Measurement: profiling layouts on real cores, characterisation, load generation, statistics, the profile cache."""

@@ -1,0 +1,1 @@
+"""The Open Inference Protocol as reamer speaks it: wire formats, tensors, Triton's model config and statistics."""
