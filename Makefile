@@ -3,11 +3,11 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DURATION ?= 60
 
-.PHONY: demo test test-hosts bench install install-base test-packages clean
+.PHONY: demo test test-hosts bench bench-full install install-base test-packages clean
 
 # Debian packages the suite drives for real (a private Slurm: tests/slurm). Installed when run as root with
 # apt-get; elsewhere the tests that need them skip, saying why.
-TEST_PACKAGES := slurmctld slurmd slurm-client munge
+TEST_PACKAGES := slurmctld slurmd slurm-client munge runc busybox-static  # runc, busybox: tests/nri
 
 # The package and what it runs on (what `make demo` needs): no test or bench extras (torch, transformers, ...).
 $(VENV)/.installed-base: pyproject.toml
@@ -36,6 +36,7 @@ test-packages:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null) \
 	      || echo "could not install $$missing: the Slurm tests will skip"; \
 	  fi; \
+	  scripts/get_containerd17.sh >/dev/null || echo "could not fetch containerd 1.7: tests/nri will skip"; \
 	fi
 
 test: install test-packages
@@ -45,8 +46,13 @@ test: install test-packages
 test-hosts: install
 	$(PY) -m lab $(foreach p,$(PROFILES),--profile $(p))
 
+# Every benchmark with a figure in bench/RESULTS.md: `bench` at smoke settings (or the full run where it is
+# short; about 10 minutes on 2 cores), `bench-full` with each figure's own command (hours; rewrites RESULTS.md).
 bench: install
-	$(PY) bench/run_all.py
+	$(PY) -m bench.run_all
+
+bench-full: install
+	$(PY) -m bench.run_all --full
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

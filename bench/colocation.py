@@ -1,8 +1,8 @@
 """Co-location bench: training + online + offline inference under each strategy, same cores, same load.
 
-    python bench/colocation.py                       # defaults: 3 trials x 30 s per strategy (~15 min)
-    python bench/colocation.py --quick --out /tmp/q  # smoke run: tiny models, 1 trial x 3 s
-    python bench/colocation.py --results-md bench/RESULTS.md   # also write the section there
+    python -m bench.colocation                     # defaults: 3 trials x 30 s per strategy (~15 min)
+    python -m bench.colocation --quick --out /tmp/q  # smoke run: tiny models, 1 trial x 3 s
+    python -m bench.colocation --results-md bench/RESULTS.md   # also write the section there
 
 Needs root (cgroup v1 cpuset/cpu/freezer, SCHED_RR). The training job is the CPU-side training
 EMULATOR (reamer.workloads.training_emulator): real loader processes, kernel-dispatch bursts, a
@@ -28,15 +28,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from metrics import (  # noqa: E402
+from bench.harness import RESULTS_DIR, ROOT, bench_command, command_line, rotated, write_json
+from bench.metrics import (
     IterationSummary,
     LatencySummary,
     Spread,
@@ -46,13 +41,12 @@ from metrics import (  # noqa: E402
     process_cpu_seconds,
     thread_policies,
 )
-from strategies import STRATEGY_ORDER, CoreLayout, Placement, Strategy, build_strategies, select  # noqa: E402
+from bench.strategies import CoreLayout, Placement, STRATEGY_ORDER, Strategy, build_strategies, select
 
-from reamer.host.cgroups import CgroupV1Driver  # noqa: E402
-from reamer.host.cpulist import format_cpulist, parse_cpulist  # noqa: E402
-from reamer.host.errors import HostError, ReamerError  # noqa: E402
+from reamer.host.cgroups import CgroupV1Driver
+from reamer.host.cpulist import format_cpulist, parse_cpulist
+from reamer.host.errors import HostError, ReamerError
 
-PROCS = BENCH / "inference_procs.py"
 RT_LADDER_US = (500000, 400000, 300000, 200000, 100000)
 RT_WAIT_S = 10.0
 START_TIMEOUT_S = 120.0
@@ -250,7 +244,7 @@ class Bench:
 
     def launch(self, name: str, tag: str, placement: Placement | None, cmd: list[str],
                freezer_group: str | None = None) -> tuple[Proc, int | None]:
-        args = [sys.executable, str(PROCS), "exec-in"]
+        args = bench_command("inference_procs", "exec-in")
         rt_us = None
         if placement is not None and placement.cpus is not None:
             cg = self._cgroup(f"{tag}/{name}", ("cpuset",))
@@ -346,7 +340,7 @@ class Bench:
         cpus = list(placement.cpus) if placement.cpus is not None else list(self.all_cpus)
         threads = len(placement.cpus) if placement.cpus is not None else 1
         if self.config.server == "bench":
-            return [sys.executable, str(PROCS), "serve", "--model", self.online_model, "--name", "online",
+            return [*bench_command("inference_procs", "serve"), "--model", self.online_model, "--name", "online",
                     "--port", str(port), "--threads", str(threads)]
         from reamer.serve.spec import InstanceSpec, JobSpec
 
@@ -377,7 +371,7 @@ class Bench:
                 report = self.work / f"{tag}-offline{i}.npy"
                 ready = self.work / f"{tag}-offline{i}.ready"
                 p, _ = self.launch(f"offline{i}", tag, placement, [
-                    sys.executable, str(PROCS), "offline", "--model", self.offline_model,
+                    *bench_command("inference_procs", "offline"), "--model", self.offline_model,
                     "--report", str(report), "--ready-file", str(ready)],
                     freezer_group="offline" if strategy.gang is not None else None)
                 offline.append((p, report))
@@ -395,7 +389,7 @@ class Bench:
                     "--report", str(train_report)], freezer_group="train" if strategy.gang is not None else None)
                 if strategy.gang is not None:
                     gang_proc, _ = self.launch("gang", tag, Placement(self.layout.online_cpus), [
-                        sys.executable, str(PROCS), "gang",
+                        *bench_command("inference_procs", "gang"),
                         "--train-freezer", f"{self.root_cg}/{tag}/train",
                         "--infer-freezer", f"{self.root_cg}/{tag}/offline",
                         "--train-s", str(strategy.gang[0]), "--infer-s", str(strategy.gang[1])])
@@ -511,8 +505,7 @@ def trial_order(strategies: list[Strategy], trial: int) -> list[Strategy]:
     """Baselines first in every trial; the rest rotated per trial so machine drift hits all alike."""
     base = [s for s in strategies if s.baseline]
     rest = [s for s in strategies if not s.baseline]
-    k = trial % len(rest) if rest else 0
-    return base + rest[k:] + rest[:k]
+    return base + rotated(rest, trial)
 
 
 def run_bench(config: BenchConfig, progress=print) -> dict[str, Any]:
@@ -636,7 +629,7 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
 
 SERVER_DESCRIPTION = {
     "job": "reamer's own job runner (`python -m reamer.serve.runtime.job`: KServe v2 REST front door, batcher, load shedding)",
-    "bench": "the minimal KServe v2 REST server of `bench/inference_procs.py serve` (reamer's request codec)",
+    "bench": "the minimal KServe v2 REST server of `python -m bench.inference_procs serve` (reamer's request codec)",
 }
 
 
@@ -721,14 +714,14 @@ def render_markdown(data: dict[str, Any], image_dir: str, command: str) -> str:
 
 
 def write_outputs(data: dict[str, Any], out: Path, command: str, results_md: Path | None) -> None:
-    import plots
+    from bench import plots
 
-    (out / "colocation.json").write_text(json.dumps(data, indent=1, default=str))
+    write_json(out / "colocation.json", data)
     plots.plot_all(data, out)
     (out / "colocation.md").write_text(render_markdown(data, ".", command))
     if results_md is not None:
         rel = os.path.relpath(out, results_md.resolve().parent)
-        from results_md import replace_section
+        from bench.harness import replace_section
 
         heading, _, body = render_markdown(data, rel, command).partition("\n")
         replace_section(results_md, heading, body)
@@ -742,7 +735,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=None, help="online request rate, req/s (default 25; quick 20)")
     p.add_argument("--slo-ms", type=float, default=None, help="online latency SLO, ms (default 100)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny models, 1 short trial")
-    p.add_argument("--out", default=str(BENCH / "results" / "colocation"), help="output directory")
+    p.add_argument("--out", default=str(RESULTS_DIR / "colocation"), help="output directory")
     p.add_argument("--results-md", default=None, help="also write this bench's section into this RESULTS.md")
     p.add_argument("--training-cpus", default="1", help="cpus of the training job (default 1)")
     p.add_argument("--online-cpus", default="0", help="cpus of the online instance (default 0)")
@@ -751,7 +744,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-step-ms", type=float, default=None)
     p.add_argument("--server", choices=("job", "bench"), default=None,
                    help="online server: job = reamer's `python -m reamer.serve.runtime.job` (default when present), "
-                        "bench = the minimal server in bench/inference_procs.py")
+                        "bench = the minimal server in bench/inference_procs.py (python -m bench.inference_procs serve)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -760,7 +753,6 @@ def _default_server() -> str:
     import importlib.util
 
     return "job" if importlib.util.find_spec("reamer.serve.runtime.job") is not None else "bench"
-
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -791,7 +783,7 @@ def _interrupt(*_: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    command = "python bench/colocation.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("colocation", argv)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         cfg = config_from_args(args)

@@ -6,7 +6,7 @@ lean client at the same fixed rate, in rounds (A B C A B C ...: the machine's dr
 thread, or the peer's event-loop thread) or to the rest (the instance processes' own Python, pipes and socket
 writes; the peer's other threads): ms of cpu per answered request. Needs `perf` (linux-perf).
 
-    .venv/bin/python bench/cpu_split.py --contenders onnxruntime,openvino,peer --rounds 2
+    .venv/bin/python -m bench.cpu_split --contenders onnxruntime,openvino,peer --rounds 2
 """
 from __future__ import annotations
 
@@ -21,10 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (str(ROOT), str(ROOT / "bench")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 RUNTIME = re.compile(r"onnxruntime_pybind|libopenvino|\[JIT\]|libtbb|libdnnl")
 
@@ -46,9 +42,9 @@ def split(perf_data: str, front_tid: int, answered: int) -> dict[str, float]:
 
 
 def main() -> int:
-    from online_peers import HttpPeerServer, ReamerJob, lean_step, reference_outputs
-    from search_calibration import model_file
-    from serving_cost import inference_alone_ms
+    from bench.online_peers import HttpPeerServer, ReamerJob, lean_step, reference_outputs
+    from bench.models import model_file
+    from bench.serving_cost import inference_alone_ms
 
     from reamer.plan.layout import Layout
 

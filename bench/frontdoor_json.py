@@ -1,8 +1,8 @@
 """The front door's JSON path, before and after: decode of a tritonclient JSON infer request and encode of
 its JSON answer, per request, in this process on one cpu (no model run: only what the front door does).
 
-    python bench/frontdoor_json.py [--before REV] [--rounds 15] [--cpu N]
-    python bench/frontdoor_json.py --e2e [--requests 20] [--rounds 3]   # tritonclient JSON, ResNet-50
+    python -m bench.frontdoor_json [--before REV] [--rounds 15] [--cpu N]
+    python -m bench.frontdoor_json --e2e [--requests 20] [--rounds 3]   # tritonclient JSON, ResNet-50
 
 --e2e serves ResNet-50 (one 1-thread instance on the last cpu, the front door on the first) with each
 front door in turn, and times tritonclient JSON requests at concurrency 1 from the first cpu: p50 latency.
@@ -26,16 +26,23 @@ from pathlib import Path
 import numpy as np
 import tritonclient.http as triton
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.harness import ROOT as REPO
 
-from reamer.serve.doors import rest as after  # noqa: E402
-from reamer.serve.protocol.tensors import TensorInfo  # noqa: E402
+from reamer.serve.protocol import rest_codec as after
+from reamer.serve.protocol.tensors import TensorInfo
+
+
+def door_source(rev: str) -> str:
+    """The REST front door's source at `rev` (reamer/serve/frontdoor.py before the serve/ split)."""
+    for path in ("reamer/serve/doors/rest.py", "reamer/serve/frontdoor.py"):
+        found = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True)
+        if found.returncode == 0:
+            return found.stdout
+    raise SystemExit(f"no REST front door at {rev}: give --before a commit of this repository")
 
 
 def load_before(rev: str):
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:reamer/serve/doors/rest.py"],
-                            capture_output=True, text=True, check=True).stdout
+    source = door_source(rev)
     path = Path(tempfile.mkdtemp()) / "frontdoor_before.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("frontdoor_before", path)
@@ -70,11 +77,10 @@ def per_request(module, body, model_in, model_out, results, reps: int) -> float:
 
 SERVER = """
 import asyncio, importlib.util, os, sys, uvloop
-sys.path.insert(0, {repo!r})
 os.sched_setaffinity(0, [{door_cpu}])
 from reamer.serve.runtime.batcher import DynamicBatcher
 from reamer.serve.spec import InstanceSpec
-from reamer.serve.runtime.worker import InstanceWorker
+from reamer.serve.runtime.instances import InstanceWorker
 spec = importlib.util.spec_from_file_location("door", {module!r})
 door_module = importlib.util.module_from_spec(spec); sys.modules["door"] = door_module; spec.loader.exec_module(door_module)
 
@@ -83,7 +89,8 @@ async def main():
     await asyncio.get_running_loop().run_in_executor(None, worker.start)
     batcher = DynamicBatcher(None, name="m")
     batcher.add_instance(worker)
-    door = door_module.FrontDoor(door_module.V2App("m", batcher), "127.0.0.1", 0)
+    door = getattr(door_module, "FrontDoor", None) or importlib.import_module("reamer.serve.doors.http_server").FrontDoor
+    door = door(door_module.V2App("m", batcher), "127.0.0.1", 0)
     print(door.port, flush=True)
     await door.serve()
 
@@ -98,17 +105,16 @@ def e2e(args) -> None:
     work = Path(tempfile.mkdtemp())
     model = build_model("resnet50", work / "resnet50.onnx").path
     before_path = work / "frontdoor_before.py"
-    before_path.write_text(subprocess.run(["git", "-C", str(REPO), "show", f"{args.before}:reamer/serve/doors/rest.py"],
-                                          capture_output=True, text=True, check=True).stdout)
+    before_path.write_text(door_source(args.before))
     variants = {"before": str(before_path), "after": str(REPO / "reamer/serve/doors/rest.py")}
     os.sched_setaffinity(0, [cpus[0]])
     image = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
     p50s: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(args.rounds):
         for name, module in variants.items():
-            code = SERVER.format(repo=str(REPO), door_cpu=cpus[0], instance_cpu=cpus[-1], module=module,
+            code = SERVER.format(door_cpu=cpus[0], instance_cpu=cpus[-1], module=module,
                                  model=str(model), run_dir=str(work))
-            proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+            proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO)
             try:
                 port = int(proc.stdout.readline())
                 client = triton.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=120)

@@ -9,9 +9,9 @@ p50 latency seen by the client, and the front-door process's CPU time per reques
 all its threads), the cost the front door's core pays. Modes alternate in rounds so the machine's noise
 hits both alike.
 
-    .venv/bin/python bench/grpc_server_modes.py                  # tiny model, 3 rounds x 1000 requests
-    .venv/bin/python bench/grpc_server_modes.py --requests 300 --rounds 2
-    .venv/bin/python bench/grpc_server_modes.py --requests 200 --gap-ms 20   # idle between requests
+    .venv/bin/python -m bench.grpc_server_modes                  # tiny model, 3 rounds x 1000 requests
+    .venv/bin/python -m bench.grpc_server_modes --requests 300 --rounds 2
+    .venv/bin/python -m bench.grpc_server_modes --requests 200 --gap-ms 20   # idle between requests
 """
 from __future__ import annotations
 
@@ -28,9 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.harness import ROOT, bench_command, command_line
 
 MODES = ("aio", "threads", "floor")
 
@@ -44,7 +42,7 @@ def serve(mode: str, model: str, frontdoor_cpu: int, instance_cpu: int) -> None:
     from reamer.serve.doors.grpc import GrpcFrontDoor, GrpcV2Service, _Abort
     from reamer.serve.doors.grpc_v2 import messages as pb
     from reamer.serve.spec import InstanceSpec
-    from reamer.serve.runtime.worker import InstanceWorker
+    from reamer.serve.runtime.instances import InstanceWorker
 
     os.sched_setaffinity(0, [frontdoor_cpu])
     run_dir = tempfile.mkdtemp(prefix="grpc-modes-")
@@ -159,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, list[float]]] = {m: {"p50_ms": [], "cpu_ms_per_request": []} for m in MODES}
     for _ in range(args.rounds):
         for mode in MODES:
-            proc = subprocess.Popen([sys.executable, __file__, "--serve", mode, "--model", info.path,
+            proc = subprocess.Popen([*bench_command("grpc_server_modes", "--serve", mode), "--model", info.path,
                                      "--frontdoor-cpu", str(args.frontdoor_cpu), "--instance-cpu", str(instance_cpu)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
             try:
                 port = int(proc.stdout.readline())
                 server = psutil.Process(proc.pid)
@@ -178,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     proc.kill()
     summary = {m: {k: round(statistics.median(v), 3) for k, v in r.items()} for m, r in results.items()}
-    print(json.dumps({"command": " ".join(["bench/grpc_server_modes.py", *(argv or sys.argv[1:])]),
+    print(json.dumps({"command": command_line("grpc_server_modes", argv or sys.argv[1:]),
                       "rounds": results, "median": summary}, indent=1))
     return 0
 

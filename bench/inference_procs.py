@@ -1,16 +1,16 @@
 """Processes the co-location bench starts (each runs as its own OS process).
 
-    python bench/inference_procs.py exec-in [--cpuset P] [--cpu P] [--freezer P] [--cpus LIST]
+    python -m bench.inference_procs exec-in [--cpuset P] [--cpu P] [--freezer P] [--cpus LIST]
                                            [--sched other|idle|rr:PRIO] -- CMD...
         join cgroups, set affinity and scheduling policy, then exec CMD (so every
         thread and child CMD starts inherits them — no thread escapes the set-up).
-    python bench/inference_procs.py serve --model FILE --name NAME --port PORT [--threads 1]
+    python -m bench.inference_procs serve --model FILE --name NAME --port PORT [--threads 1]
         one online instance behind a KServe v2 REST front door (reamer.serve.doors.rest's
         request/response codec, ONNX Runtime backend); requests are served one at a time.
-    python bench/inference_procs.py offline --model FILE --report FILE [--ready-file FILE]
+    python -m bench.inference_procs offline --model FILE --report FILE [--ready-file FILE]
         one single-thread offline instance at batch 1, inferring back to back until SIGTERM;
         writes the completion times (CLOCK_MONOTONIC, float64 .npy) to --report.
-    python bench/inference_procs.py gang --train-freezer P --infer-freezer P [--train-s 0.8 --infer-s 0.2]
+    python -m bench.inference_procs gang --train-freezer P --infer-freezer P [--train-s 0.8 --infer-s 0.2]
         gang scheduling with the cgroup v1 freezer until SIGTERM (then thaws both).
 """
 
@@ -25,10 +25,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _exec_in(args: argparse.Namespace) -> int:
@@ -64,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
     from fastapi import FastAPI, Request, Response
 
     from reamer.serve.backends import open_backend
-    from reamer.serve.doors.rest import HEADER_LENGTH, BadRequest, decode_request, encode_response
+    from reamer.serve.protocol.rest_codec import HEADER_LENGTH, BadRequest, decode_request, encode_response
 
     backend = open_backend("onnxruntime", args.model, args.threads)
     app = FastAPI()
@@ -151,7 +147,7 @@ def _sleep_unless(stop: dict, seconds: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench/inference_procs.py")
+    p = argparse.ArgumentParser(prog="python -m bench.inference_procs")
     sub = p.add_subparsers(dest="what", required=True)
     e = sub.add_parser("exec-in")
     e.add_argument("--cpuset")

@@ -4,8 +4,8 @@ tritonclient does): the job's Server-Timing (queue wait, backend compute, total 
 client's cpu per request, the front door's (the job's own process) cpu per request, and the instance's busy fraction (sum of compute / wall time; with max batch > 1 a
 batch's compute is counted once per request in it, so read it at max batch 1).
 
-    .venv/bin/python bench/json_request_breakdown.py [--max-batch 1] [--seconds 10]
-    .venv/bin/python bench/json_request_breakdown.py --decode   # the front door's decode of one such body alone
+    .venv/bin/python -m bench.json_request_breakdown [--max-batch 1] [--seconds 10]
+    .venv/bin/python -m bench.json_request_breakdown --decode   # the front door's decode of one such body alone
 """
 from __future__ import annotations
 
@@ -21,11 +21,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (str(ROOT), str(ROOT / "bench")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 
 def server_timing(header: str) -> dict[str, float]:
@@ -60,7 +55,7 @@ def decode_cost(body: bytes, inputs: list, outputs: list, repeats: int = 21) -> 
     """Median cpu ms of the front door's decode_request on `body`, and of orjson.loads alone (its parse)."""
     import orjson
 
-    from reamer.serve.doors.rest import decode_request
+    from reamer.serve.protocol.rest_codec import decode_request
 
     def cpu_ms(fn) -> float:
         spent = []
@@ -75,9 +70,9 @@ def decode_cost(body: bytes, inputs: list, outputs: list, repeats: int = 21) -> 
 
 
 def main() -> int:
-    from metrics import process_cpu_seconds
-    from mlserver_peer import start_reamer, stop
-    from search_calibration import model_file
+    from bench.metrics import process_cpu_seconds
+    from bench.mlserver_peer import start_reamer, stop
+    from bench.models import model_file
 
     from reamer.serve.backends import open_backend, sample_inputs
 

@@ -2,7 +2,7 @@
 parsing) exchanging a request of N bytes for a 4 KB answer, one at a time after random think times.
 p50 round trip per request size; bench/RESULTS.md quotes it beside the front door's overhead.
 
-    python bench/loopback_floor.py [--sizes 3000,602112] [--requests 200] [--cpu 0]
+    python -m bench.loopback_floor [--sizes 3000,602112] [--requests 200] [--cpu 0]
 """
 from __future__ import annotations
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from reamer.plan.statistics import percentile
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -75,7 +77,7 @@ def thread_policies(pids: list[int], proc_root: str = "/proc") -> dict[str, int]
 
 
 def _pct(values: list[float] | np.ndarray, p: float) -> float:
-    return float(np.percentile(values, p)) if len(values) else math.nan
+    return percentile(values, p)
 
 
 @dataclass

@@ -19,7 +19,7 @@ MLServer goes into a virtualenv of its own (`--venv`, made on first use with `pi
 onnxruntime==<ours>`): it pins FastAPI/Starlette below the versions reamer runs on, so it cannot share the
 project's environment.
 
-    .venv/bin/python bench/mlserver_peer.py --results-md bench/RESULTS.md
+    .venv/bin/python -m bench.mlserver_peer --results-md bench/RESULTS.md
 """
 from __future__ import annotations
 
@@ -37,11 +37,8 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from bench.harness import command_and_machine, RESULTS_DIR, ROOT, command_line, loadavg, machine_info, replace_section, write_json
+from bench.models import resolve_model
 
 SECTION = "### A serving peer: MLServer (issue 14)"
 FLOATING = "reamer, instance on all cpus,"
@@ -251,7 +248,7 @@ def load(port: int, inputs: dict[str, np.ndarray], outputs: list[str], tensors: 
         close()
     stop_at[0] = time.perf_counter() + seconds + 1.0
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
-    from metrics import cpu_idle_seconds
+    from bench.metrics import cpu_idle_seconds
 
     started, cpu, idle, since = time.perf_counter(), os.times(), cpu_idle_seconds(), time.monotonic()
     for t in threads:
@@ -267,7 +264,7 @@ def load(port: int, inputs: dict[str, np.ndarray], outputs: list[str], tensors: 
 
 def _busy_since(idle_before: dict[int, float], since: float, cpus: set[int]) -> float:
     """How busy `cpus` were (anything running on them) since `since` (monotonic), from their idle time."""
-    from metrics import cpu_idle_seconds
+    from bench.metrics import cpu_idle_seconds
 
     idle, wall = cpu_idle_seconds(), (time.monotonic() - since) * len(cpus)
     return max(0.0, 1.0 - sum(idle[c] - idle_before[c] for c in cpus) / wall)
@@ -294,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--venv", default="/tmp/reamer-mlserver-venv")
     p.add_argument("--model-dir", default="/tmp/reamer-bench-models")
-    p.add_argument("--out", default=str(BENCH / "results" / "mlserver_peer"))
+    p.add_argument("--out", default=str(RESULTS_DIR / "mlserver_peer"))
     p.add_argument("--results-md", default=None)
     p.add_argument("--render", default=None, metavar="JSON")
     args = p.parse_args(argv)
@@ -305,8 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     text = render(data)
     print(text)
     if args.results_md:
-        from results_md import replace_section
-
         replace_section(args.results_md, SECTION, text, parent=PARENT)
     return 0
 
@@ -315,13 +310,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
     from reamer.serve.backends import open_backend, sample_inputs
-    from search_calibration import loadavg, machine_info, model_file
 
     cpus = [int(c) for c in args.cpus.split(",")]
     instance_cpus = [int(c) for c in args.instance_cpus.split(",")] if args.instance_cpus else [cpus[-1]]
     frontdoor_cpus = [int(c) for c in args.frontdoor_cpus.split(",")] if args.frontdoor_cpus else list(cpus)
     mlserver = ensure_venv(Path(args.venv))
-    data: dict[str, Any] = {"command": "python bench/mlserver_peer.py " + " ".join(sys.argv[1:]),
+    data: dict[str, Any] = {"command": command_line("mlserver_peer"),
                             "machine": machine_info(), "cpus": cpus, "client_cpu": args.client_cpu,
                             "instance_cpus": instance_cpus, "max_batch": args.max_batch,
                             "frontdoor_cpus": frontdoor_cpus,
@@ -329,13 +323,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in [m for m in args.models.split(",") if m]:
-        if name.startswith("exported:"):
-            sys.path.insert(0, str(ROOT / "tests" / "acceptance"))
-            from exported_models import ensure_models
-
-            model = str(ensure_models() / f"{name.split(':', 1)[1]}.onnx")
-        else:
-            model = str(model_file(name, {}, Path(args.model_dir)))
+        model = resolve_model(name, Path(args.model_dir), families={})  # every family at its default options
         with open_backend("onnxruntime", model, 1) as probe:
             inputs = sample_inputs(probe, 1, np.random.default_rng(0))
             outputs = [o.name for o in probe.outputs]
@@ -377,12 +365,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          for k, v in row["runs"].items()}
         row["load_after"] = loadavg()
         data["rows"].append(row)
-        (out / "mlserver_peer.json").write_text(json.dumps(data, indent=1))
+        write_json(out / "mlserver_peer.json", data)
     return data
 
 
 def render(data: dict) -> str:
-    lines = [f"Command: `{data['command']}` · machine: {data['machine']['cpu_model']}, {data['machine']['cpus']} cpus; "
+    lines = [command_and_machine(data) + f"; "
              f"servers on cpus {data['cpus']} (reamer's instance on {data.get('instance_cpus', data['cpus'][-1:])}, 1 thread, "
              f"max batch {data.get('max_batch', 4)}, its front door on {data.get('frontdoor_cpus', data['cpus'])}), tritonclient.http on cpu {data['client_cpu']} · {data['rounds']} rounds, {data['seconds']} s "
              "per server at concurrency 4 (the order turning each round), then concurrency 1 with the servers taking "

@@ -4,7 +4,7 @@ online_peers' lean client and pass rule, and prints every step. With --shed-fact
 once per factor: the job sheds a request when its estimated completion exceeds factor × SLO (1: reamer's
 rule; a large factor: never).
 
-    flock /work/coord/bench.lock .venv/bin/python bench/online_layouts.py --model resnet50 --slo 1000 \\
+    flock /work/coord/bench.lock .venv/bin/python -m bench.online_layouts --model resnet50 --slo 1000 \\
         --layouts 2x1:b4@onnxruntime,1x2:b8@onnxruntime,2x1:b8@openvino,1x2:b8@openvino --rates 30,34,38,30,34,38
 """
 from __future__ import annotations
@@ -15,10 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (str(ROOT), str(ROOT / "bench")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from bench.harness import bench_command, rotated
 
 
 def job_main(factor: float, argv: list[str]) -> int:
@@ -39,7 +36,8 @@ def job_main(factor: float, argv: list[str]) -> int:
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--job-shed-factor":
         return job_main(float(sys.argv[2]), sys.argv[3:])
-    from online_peers import ReamerJob, _feeds, resolve_model
+    from bench.models import resolve_model
+    from bench.online_peers import ReamerJob, _feeds
 
     from reamer.plan.layout import parse_layout
 
@@ -63,10 +61,10 @@ def main() -> int:
             for i, (layout, factor) in enumerate(servers):
                 jobs[(layout, factor)] = ReamerJob(
                     model, parse_layout(layout), cpus, args.slo, Path(work) / str(i), inputs,
-                    command=(sys.executable, __file__, "--job-shed-factor", factor))
+                    command=bench_command("online_layouts", "--job-shed-factor", factor))
                 jobs[(layout, factor)].step(10.0, 3.0, 1, 10.0)  # warm-up, discarded
             for i, rate in enumerate(rates):
-                for layout, factor in servers[i % len(servers):] + servers[:i % len(servers)]:
+                for layout, factor in rotated(servers, i):
                     s = jobs[(layout, factor)].step(rate, args.seconds, i, max(5.0, 5 * args.slo / 1e3))
                     judged = s.p99_judged_ms()
                     print(f"{rate:6.1f}/s  {layout:26} shed factor {factor:5}  ok {s.ok}/{s.sent}  shed "

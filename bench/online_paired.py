@@ -24,8 +24,8 @@ every step one more request waits for its answer (`settle`): a server past its r
 requests the client gave up on, and would take the cpus from the next step, whoever runs it.
 
     # ResNet-50, MobileNetV2 and BERT-base (~60 min on the 2-cpu machine), figures into bench/RESULTS.md:
-    flock /work/coord/bench.lock .venv/bin/python bench/online_paired.py --results-md bench/RESULTS.md
-    .venv/bin/python bench/online_paired.py --models tiny --quick --out /tmp/paired   # smoke run, ~2 min
+    flock /work/coord/bench.lock .venv/bin/python -m bench.online_paired --results-md bench/RESULTS.md
+    .venv/bin/python -m bench.online_paired --models tiny --quick --out /tmp/paired   # smoke run, ~2 min
 """
 from __future__ import annotations
 
@@ -39,14 +39,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from bench.harness import RESULTS_DIR, command_line, loadavg, machine_info, replace_section, rotated
 
-from online_peers import (PARENT, PEER_KINDS, SLOS_MS, HttpPeerServer, ReamerJob, Settled,  # noqa: E402
-                          Step, _feeds, _searches, reference_outputs, run_models, step_seconds)
+from bench.online_peers import (PARENT, PEER_KINDS, SLOS_MS, HttpPeerServer, ReamerJob, Settled,
+                                Step, _feeds, _searches, reference_outputs, run_models, step_seconds)
 
 SECTION = "### Online, paired: reamer and the best HTTP peer taking turns at the same rates (issue 14)"
 DEFAULT_MODELS = "resnet50,mobilenet_v2,bert-base"
@@ -62,8 +58,7 @@ def ladder(centre_rps: float, rung: float, below: int, above: int) -> list[float
 
 def turns(contenders: Sequence[str], round_index: int, rung_index: int) -> list[str]:
     """Who runs first at this rung of this round: the order rotates at every rung and every round."""
-    k = (round_index + rung_index) % len(contenders)
-    return [*contenders[k:], *contenders[:k]]
+    return rotated(contenders, round_index + rung_index)
 
 
 @dataclass
@@ -285,8 +280,6 @@ def _extra(rungs: int) -> str:
 
 
 def write_section(path: str, text: str) -> None:
-    from results_md import replace_section
-
     replace_section(path, SECTION, text, parent=PARENT)
 
 
@@ -317,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", default="/tmp/reamer-bench-models")
     p.add_argument("--cpus", default=None, help="cpu list (default: every cpu this process may use)")
     p.add_argument("--quick", action="store_true", help="short steps, two rounds, 3 rungs, a 20 s search budget")
-    p.add_argument("--out", default=str(BENCH / "results" / "online_paired"))
+    p.add_argument("--out", default=str(RESULTS_DIR / "online_paired"))
     p.add_argument("--results-md", default=None, help="write the section into this RESULTS.md (full runs only)")
     p.add_argument("--render", default=None, nargs="+", metavar="JSON",
                    help="write the section from online_paired.json files (one table each, in this order)")
@@ -331,8 +324,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.results_md:
             write_section(args.results_md, text)
         return 0
-    from search_calibration import loadavg, machine_info
-
     if args.quick:
         quick = {"step": 1.0, "warmup": 0.5, "steps": 3, "more_steps": 2, "search_budget": 20.0, "max_batch": 2,
                  "min_requests": 20, "max_step": 3.0, "rounds": 2, "below": 1, "above": 1,
@@ -345,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--peers: unknown peer {', '.join(unknown)}; use openvino, onnxruntime or both")
     args.slos = [float(s) for s in args.slos.split(",") if s]
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
-    command = "python bench/online_paired.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("online_paired", argv)
     data: dict[str, Any] = {"command": command, "machine": machine_info(), "cpus": cpus, "rung": args.rung,
                             "below": args.below, "above": args.above, "extra": args.extra,
                             "rounds": args.rounds, "seed": args.seed,

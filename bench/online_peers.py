@@ -23,9 +23,9 @@ reamer's client with the same request and arrivals. Its first answer is checked 
 (info.check in the JSON). Two ratios per SLO: reamer / the best in-process peer, reamer / the best HTTP peer.
 Every contender sees the same Poisson arrivals (reamer.serve.measure.loadgen.poisson_schedule, seed `--seed`, the same
 pattern stretched to each rate) and the same sample request. A rate passes when no request fails, p99 <= SLO
-(nearest rank: at least 99 % of the requests within the SLO) with each refused (shed, 503) request counted as
-answered too late (a refusal misses the SLO as a late answer does, no more: a peer may answer 1 % late, reamer
-may refuse 1 %), and the server keeps up with the offered rate (the median latency of the last quarter of the
+(reamer.plan.statistics.p99, as the job's own /stats computes it) with each refused (shed, 503) request counted as
+answered too late (a refusal misses the SLO as a late answer does, no more: a peer may answer as many late as
+reamer may refuse, under 1 %), and the server keeps up with the offered rate (the median latency of the last quarter of the
 arrivals at most SLO/4 above that of the first half: a growing queue shows there; steps last long enough for
 that, `step_seconds`). The rate
 search: geometric steps from 0.7x the contender's closed-loop throughput until a pass and a fail bracket the answer, then
@@ -33,12 +33,12 @@ geometric bisection until the bracket is within `--precision` or the steps run o
 peer starts from the bracket its 1 s search left (same server, same steps), reamer's runs on its own job.
 
     # the full run (~25 min on the 2-cpu machine when quiet), figures into bench/RESULTS.md:
-    flock /work/coord/bench.lock .venv/bin/python bench/online_peers.py --results-md bench/RESULTS.md
+    flock /work/coord/bench.lock .venv/bin/python -m bench.online_peers --results-md bench/RESULTS.md
     # one model while developing:
-    .venv/bin/python bench/online_peers.py --models mobilenet_v2 --quick --out /tmp/online
-    .venv/bin/python bench/online_peers.py --quick --models tiny --out /tmp/online      # smoke run, ~1 min
-    .venv/bin/python bench/online_peers.py --peers http --models mobilenet_v2             # reamer and HTTP peers
-    .venv/bin/python bench/online_peers.py --render bench/results/online_peers/online_peers.json \\
+    .venv/bin/python -m bench.online_peers --models mobilenet_v2 --quick --out /tmp/online
+    .venv/bin/python -m bench.online_peers --quick --models tiny --out /tmp/online      # smoke run, ~1 min
+    .venv/bin/python -m bench.online_peers --peers http --models mobilenet_v2             # reamer and HTTP peers
+    .venv/bin/python -m bench.online_peers --render bench/results/online_peers/online_peers.json \\
         --results-md bench/RESULTS.md                                                    # re-render a run
 """
 from __future__ import annotations
@@ -59,11 +59,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from bench.harness import command_and_machine, RESULTS_DIR, ROOT, bench_command, command_line, loadavg, machine_info, read_section, \
+    replace_section, rotated, write_json
+from bench.models import resolve_model
+
+from reamer.plan import statistics
 
 PARENT = "## Against each runtime's own tuning (issue 14)"
 SECTION = "### Online: highest open-loop rate under the SLO (issue 14)"
@@ -134,12 +134,10 @@ def step_from(rate_rps: float, duration_s: float, scheduled_s: Sequence[float], 
               detail: str = "") -> Step:
     """A Step from per-request records (arrival offset s, latency ms from the arrival, "ok"/"shed"/"error")."""
     ok_lat = [lat for lat, st in zip(latency_ms, status) if st == "ok"]
-    p50 = float(np.percentile(ok_lat, 50)) if ok_lat else math.nan
-    # nearest rank: p99 <= SLO exactly when at least 99 % of the requests were within it, however late the rest
-    p99 = float(np.percentile(ok_lat, 99, method="inverted_cdf")) if ok_lat else math.nan
+    p50, p99 = statistics.p50(ok_lat), statistics.p99(ok_lat)
     never_ms = 1e12  # a shed request: never answered
     judged = ok_lat + [never_ms for st in status if st == "shed"]
-    p99_with_shed = float(np.percentile(judged, 99, method="inverted_cdf")) if judged else math.nan
+    p99_with_shed = statistics.p99(judged)
     shift = p50 / 1e3 if ok_lat else 0.0
     completed = sum(st == "ok" and shift <= t + lat / 1e3 <= duration_s + shift
                     for t, lat, st in zip(scheduled_s, latency_ms, status))
@@ -374,7 +372,7 @@ class PeerServer:
 
     def __init__(self, kind: str, model: str, cpus: list[int], warmup_s: float) -> None:
         doc = {"kind": kind, "model": model, "cpus": cpus, "warmup_s": warmup_s}
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--peer", json.dumps(doc)], cwd=ROOT,
+        self.proc = subprocess.Popen(bench_command("online_peers", "--peer", json.dumps(doc)), cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line:
@@ -555,7 +553,7 @@ class HttpPeerServer:
         from reamer.serve.protocol.v2wire import HEADER_LENGTH
 
         doc = {"kind": kind, "model": model, "cpus": cpus, "warmup_s": warmup_s}
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--http-peer", json.dumps(doc)],
+        self.proc = subprocess.Popen(bench_command("online_peers", "--http-peer", json.dumps(doc)),
                                      cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line:
@@ -866,8 +864,6 @@ def _reamer_at(slo: float, model: str, cpus: list[int], args: argparse.Namespace
 
 def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespace, order: list[str],
                   work: Path) -> dict[str, Any]:
-    from search_calibration import loadavg
-
     def log(text: str) -> None:
         print(text, flush=True)
 
@@ -936,13 +932,12 @@ def _cell(result: dict) -> str:
 
 
 def render(data: dict) -> str:
-    m = data["machine"]
     contenders = data.get("contenders") or ["reamer", *INPROCESS_PEERS]  # runs before the HTTP peers: these three
     peers = [c for c in contenders if c != "reamer"]
     http = [c for c in peers if c in HTTP_PEERS]
     inproc = [c for c in peers if c in INPROCESS_PEERS]
     lines = [
-        f"Command: `{data['command']}` · machine: {m['cpu_model']}, {m['cpus']} cpus, all of them given to every "
+        command_and_machine(data) + f", all of them given to every "
         f"contender ({data['cpus']}) · load average (1 min) {data['load_start'][0]} at the start, "
         f"{data['load_end'][0]} at the end (per row below) · {data['started']}–{data['ended']} UTC · steps of "
         f"{data['step_s']} s (longer where fewer than {data.get('min_requests', 0)} requests would arrive"
@@ -1016,8 +1011,6 @@ def render(data: dict) -> str:
 
 def write_section(path: str, text: str) -> None:
     """Our subsection, placed right after the offline peers table on first write, replaced in place after."""
-    from results_md import read_section, replace_section
-
     if read_section(path, SECTION) is None and read_section(path, AFTER) is not None:
         lines = Path(path).read_text().splitlines(keepends=True)
         start = next(i for i, line in enumerate(lines) if line.rstrip() == AFTER)
@@ -1039,25 +1032,10 @@ def select_contenders(peers: str, reamer: bool = True) -> list[str]:
     return [c for c in CONTENDERS if c in chosen]
 
 
-def resolve_model(name: str, model_dir: Path) -> str:
-    """A model name as bench/peers.py takes it: a family of search_calibration, or exported:NAME."""
-    from peers import FAMILIES
-    from search_calibration import model_file
-
-    if name.startswith("exported:"):
-        sys.path.insert(0, str(ROOT / "tests" / "acceptance"))
-        from exported_models import ensure_models
-
-        return str(ensure_models() / f"{name.split(':', 1)[1]}.onnx")
-    return str(model_file(name, FAMILIES.get(name, {}), model_dir))
-
-
 def run_models(names: Sequence[str], one: Callable[[int, str, str, Path], dict[str, Any]], model_dir: str,
                data: dict[str, Any], out: Path) -> None:
     """`one(index, name, model file, work dir)` for each model, its row (or the error that stopped it: the other
     models' figures still count) appended to data["rows"] and the JSON rewritten after each."""
-    from search_calibration import loadavg
-
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{out.stem}-") as tmp:
         for index, name in enumerate(names):
@@ -1068,7 +1046,7 @@ def run_models(names: Sequence[str], one: Callable[[int, str, str, Path], dict[s
                 row = {"model": name, "error": f"{type(exc).__name__}: {exc}"[:200]}
             data["rows"].append(row)
             data["load_end"], data["ended"] = loadavg(), time.strftime("%H:%M", time.gmtime())
-            out.write_text(json.dumps(data, indent=1, default=str))
+            write_json(out, data)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1103,7 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=8, help="reamer's search: batches up to this (default 8)")
     p.add_argument("--model-dir", default="/tmp/reamer-bench-models")
     p.add_argument("--quick", action="store_true", help="shorter steps, fewer of them, a 30 s search budget")
-    p.add_argument("--out", default=str(BENCH / "results" / "online_peers"))
+    p.add_argument("--out", default=str(RESULTS_DIR / "online_peers"))
     p.add_argument("--results-md", default=None, help="write the section into this RESULTS.md (full runs only)")
     p.add_argument("--render", default=None, metavar="JSON", help="write the section from an online_peers.json")
     p.add_argument("--notes", default=None, metavar="MD", help="with --render: text to put under the table")
@@ -1122,8 +1100,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.results_md:
             write_section(args.results_md, text)
         return 0
-    from search_calibration import loadavg, machine_info
-
     if args.quick:  # shorter everything, except what was asked for explicitly
         quick = {"step": 2.0, "warmup": 1.0, "steps": 4, "more_steps": 3, "search_budget": 30.0, "max_batch": 4,
                  "precision": 0.15, "min_requests": 20, "max_step": 8.0}
@@ -1133,18 +1109,17 @@ def main(argv: list[str] | None = None) -> int:
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
     contenders = select_contenders(args.peers, not args.no_reamer)
     names = [m for m in args.models.split(",") if m]
-    command = "python bench/online_peers.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("online_peers", argv)
     data: dict[str, Any] = {"command": command,
                             "machine": machine_info(), "cpus": cpus, "step_s": args.step,
                             "min_requests": args.min_requests,
-                            "steady_steps": True, "shed_counts_late": True, "p99_nearest_rank": True,
+                            "steady_steps": True, "shed_counts_late": True,
                             "max_step_s": args.max_step, "seed": args.seed,
                             "precision": args.precision, "client": args.client, "contenders": contenders,
                             "load_start": loadavg(),
                             "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "rows": []}
     def one(index: int, name: str, model: str, work: Path) -> dict[str, Any]:
-        k = index % len(contenders)
-        row = compare_model(name, model, cpus, args, contenders[k:] + contenders[:k], work)  # rotated: drift
+        row = compare_model(name, model, cpus, args, rotated(contenders, index), work)  # rotated: drift
         print(json.dumps({k: row.get(k) for k in ("model", "ratio", "error")}), flush=True)  # hits all alike
         return row
 

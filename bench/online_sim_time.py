@@ -1,18 +1,14 @@
 """How long the simulated sustained rate (reamer.plan.online_sim) takes per layout, and what it gives, for
 ResNet-50 layouts with figures from a search on the 2-cpu machine (bench/RESULTS.md).
 
-    .venv/bin/python bench/online_sim_time.py
+    .venv/bin/python -m bench.online_sim_time
 """
 from __future__ import annotations
 
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 # layout, closed-loop samples/s and batch p99 ms as the search measured them (search_picks, 18:28 UTC)
 LAYOUTS = [("2x1:b1", 38.8, 56.0), ("2x1:b4", 38.5, 215.0), ("1x2:b8", 39.1, 214.0), ("2x1:b8", 38.0, 431.0)]

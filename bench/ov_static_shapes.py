@@ -2,7 +2,7 @@
 1, pinned to the last cpu, every form loaded in one process and measured in turn (rounds of 0.25 s each), so the
 machine's drift falls on all of them; medians.
 
-    .venv/bin/python bench/ov_static_shapes.py --model mobilenet_v2
+    .venv/bin/python -m bench.ov_static_shapes --model mobilenet_v2
 """
 from __future__ import annotations
 
@@ -15,15 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (str(ROOT), str(ROOT / "bench")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
 
 def main() -> int:
-    from search_calibration import model_file
+    from bench.models import model_file
 
+    from reamer.plan.statistics import percentile
     from reamer.serve.backends import open_backend, sample_inputs
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -50,7 +46,7 @@ def main() -> int:
             ms[name].append((time.process_time() - began) / n * 1e3)
     for name, values in ms.items():
         print(f"{args.model} {name}: {statistics.median(values):.2f} ms of cpu per inference "
-              f"(quartiles {np.percentile(values, 25):.2f}–{np.percentile(values, 75):.2f}, {args.rounds} rounds)")
+              f"(quartiles {percentile(values, 25):.2f}–{percentile(values, 75):.2f}, {args.rounds} rounds)")
     return 0
 
 

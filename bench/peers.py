@@ -16,8 +16,8 @@ and ratios are reamer / best peer within the run. Layouts run through reamer's p
 running batches back to back, the layout verification of the search), not the offline job runner, whose
 overhead over that loop is bench/serving_overhead.py's subject.
 
-    .venv/bin/python bench/peers.py --results-md bench/RESULTS.md
-    .venv/bin/python bench/peers.py --quick --out /tmp/peers        # tiny model, seconds
+    .venv/bin/python -m bench.peers --results-md bench/RESULTS.md
+    .venv/bin/python -m bench.peers --quick --out /tmp/peers        # tiny model, seconds
 """
 from __future__ import annotations
 
@@ -31,17 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from bench.harness import (RESULTS_DIR, ROOT, bench_command, command_and_machine, command_line, loadavg, machine_info,
+                           replace_section, spread, write_json)
+from bench.models import resolve_model
 
 PARENT = "## Against each runtime's own tuning (issue 14)"
 SECTION = "### Offline: reamer's pick against OpenVINO THROUGHPUT, ONNX Runtime's default session, one backend alone"
-FAMILIES: dict[str, dict[str, Any]] = {
-    "resnet50": {}, "mobilenet_v2": {}, "bert-base": {"layers": 12, "seq_len": 128}, "deepspeech2": {},
-}
 EXPORTED = ("bert", "resnet", "int8", "fp16", "gpt2")
 
 
@@ -111,8 +106,8 @@ def peer_main(doc: dict) -> dict:
 
 def run_peer(kind: str, model: str, cpus: list[int], batch: int, warmup_s: float, window_s: float) -> dict:
     doc = {"kind": kind, "model": model, "cpus": cpus, "batch": batch, "warmup_s": warmup_s, "window_s": window_s}
-    out = subprocess.run([sys.executable, str(Path(__file__)), "--peer", json.dumps(doc)], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(bench_command("peers", "--peer", json.dumps(doc)), capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
     if out.returncode != 0:
         return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -141,8 +136,6 @@ def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespa
     from reamer.plan.layout import format_layout
     from reamer.search.on_cores import MeasureSettings, search_layout
     from reamer.serve.measure.profiler import measure_layout
-
-    from search_calibration import loadavg
 
     row: dict[str, Any] = {"model": name, "file": os.path.basename(model), "cpus": cpus, "load_before": loadavg()}
     settings = MeasureSettings(warmup_s=args.warmup, window_s=args.window, max_windows=args.max_windows,
@@ -219,14 +212,14 @@ def compare_model(name: str, model: str, cpus: list[int], args: argparse.Namespa
     row["ratio_vs_ov_default_precision"] = medians["reamer"] / default if default else None
     # the same numerics at bf16: reamer's bf16 pick against OpenVINO's hint at its own (bf16) default
     row["ratio_bf16"] = medians["reamer bf16"] / default if default and "reamer bf16" in medians else None
-    row["spread"] = {k: (max(v) - min(v)) / statistics.median(v) if len(v) > 1 else 0.0 for k, v in runs.items() if v}
+    row["spread"] = {k: spread(v) for k, v in runs.items() if v}
     row["load_after"] = loadavg()
     return row
 
 
 def render(data: dict) -> str:
     lines = [
-        f"Command: `{data['command']}` · machine: {data['machine']['cpu_model']}, {data['machine']['cpus']} cpus, "
+        command_and_machine(data) + f", "
         f"all of them given to every contender ({data['cpus']}) · load average per row (1 min, at the model's start and "
         "end): the machine may be shared, so read same-run ratios · "
         f"{data['rounds']} rounds, rotated order, medians; windows {data['window_s']} s × {data['verify_windows']}.",
@@ -294,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny model, one round: a smoke run")
     p.add_argument("--no-bf16", dest="bf16", action="store_false",
                    help="skip reamer at bf16 (its own search) and its comparison")
-    p.add_argument("--out", default=str(BENCH / "results" / "peers"))
+    p.add_argument("--out", default=str(RESULTS_DIR / "peers"))
     p.add_argument("--results-md", default=None)
     p.add_argument("--render", default=None, metavar="JSON", help="write the section from a peers.json of a run")
     args = p.parse_args(argv)
@@ -305,30 +298,21 @@ def main(argv: list[str] | None = None) -> int:
         text = render(json.loads(Path(args.render).read_text()))
         print(text)
         if args.results_md:
-            from results_md import replace_section
-
             replace_section(args.results_md, SECTION, text, parent=PARENT)
         return 0
-    from search_calibration import loadavg, machine_info, model_file
 
     args.batches = [int(b) for b in args.batches.split(",")]
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
     names = ["tiny"] if args.quick else [m for m in args.models.split(",") if m]
     if args.quick:
         args.rounds, args.batches, args.window, args.warmup = 1, [1, 2], 0.1, 0.1
-    data: dict[str, Any] = {"command": "python bench/peers.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    data: dict[str, Any] = {"command": command_line("peers", argv),
                             "machine": machine_info(), "cpus": cpus, "rounds": args.rounds, "window_s": args.window,
                             "verify_windows": args.verify_windows, "load_start": loadavg(), "rows": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in names:
-        if name.startswith("exported:"):
-            sys.path.insert(0, str(ROOT / "tests" / "acceptance"))
-            from exported_models import ensure_models
-
-            path = str(ensure_models() / f"{name.split(':', 1)[1]}.onnx")
-        else:
-            path = str(model_file(name, FAMILIES.get(name, {}), Path(args.model_dir)))
+        path = resolve_model(name, Path(args.model_dir))
         print(f"== {name} (load {loadavg()})", flush=True)
         try:
             row = compare_model(name, path, cpus, args)
@@ -338,12 +322,10 @@ def main(argv: list[str] | None = None) -> int:
                                                   "ratio_bf16", "error")}),
               flush=True)
         data["rows"].append(row)
-        (out / "peers.json").write_text(json.dumps(data, indent=1, default=str))
+        write_json(out / "peers.json", data)
     text = render(data)
     print(text)
     if args.results_md and not args.quick:
-        from results_md import replace_section
-
         replace_section(args.results_md, SECTION, text, parent=PARENT)
     return 0
 

@@ -1,7 +1,7 @@
 """Layout search vs the paper's baseline (issue 4), measured for real on this machine's cores.
 
-    python bench/search_baseline.py                       # resnet50, bert-base, deepspeech2 × SLO 200/500/1000 ms
-    python bench/search_baseline.py --models resnet50 --slos 500 --quick
+    python -m bench.search_baseline                       # resnet50, bert-base, deepspeech2 × SLO 200/500/1000 ms
+    python -m bench.search_baseline --models resnet50 --slos 500 --quick
 
 Per model and SLO: the quick search (reamer.search.method.quick_search with the real profiler:
 pinned workers, warm-up, windows) on every core of this machine, timed from its first measurement
@@ -14,7 +14,6 @@ Writes OUT/search_baseline.json and its part of the "Layout search (issue 4)" se
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,19 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from bench.harness import command_and_machine, RESULTS_DIR, RESULTS_MD, command_line, loadavg, machine_info, write_json
+from bench.models import SEARCH_MODELS as MODELS, model_file
+from bench.search_quality import SECTION, write_section
 
-from search_calibration import MODELS, loadavg, machine_info, model_file  # noqa: E402
-from search_quality import SECTION, write_section  # noqa: E402
-
-from reamer.plan.layout import Layout, format_layout  # noqa: E402
-from reamer.plan.partition import ProfilePoint  # noqa: E402
-from reamer.search.method import DEFAULT_BATCHES, quick_search  # noqa: E402
-from reamer.serve.measure.profiler import measure_layout, measure_point  # noqa: E402
+from reamer.plan.layout import Layout, format_layout
+from reamer.plan.partition import ProfilePoint
+from reamer.search.method import DEFAULT_BATCHES, quick_search
+from reamer.serve.measure.profiler import measure_layout, measure_point
 
 SUBSECTION = "### Against one instance with the maximum batch (real, this machine)"
 SEARCH_TIME_TARGET_S = 120.0
@@ -101,7 +95,7 @@ def run_one(name: str, path: Path, slo: float, cpus: list[int], batches: tuple[i
 
 def render(data: dict) -> str:
     lines = [
-        f"Command: `{data['command']}` · machine: {data['machine']['cpu_model']}, {data['machine']['cpus']} cpus, "
+        command_and_machine(data) + f", "
         f"shared with other engineers' test runs (load average per row) · onnxruntime · batches "
         f"{', '.join(map(str, data['batches']))} · warm-up {data['timing']['warmup_s']} s, windows "
         f"{data['timing']['window_s']} s (≤ {data['timing']['max_windows']} per point, "
@@ -142,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="re-measurements of the pick and the baseline")
     p.add_argument("--model-dir", default="/tmp/reamer-bench-models")
     p.add_argument("--quick", action="store_true", help="smoke: first model, SLO 1000 ms, one repeat")
-    p.add_argument("--out", default=str(BENCH / "out"))
-    p.add_argument("--results-md", default=str(BENCH / "RESULTS.md"), help="'' to skip writing RESULTS.md")
+    p.add_argument("--out", default=str(RESULTS_DIR / "search_baseline"))
+    p.add_argument("--results-md", default=str(RESULTS_MD), help="'' to skip writing RESULTS.md")
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     slos = [float(x) for x in args.slos.split(",")]
@@ -159,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
               "layout_windows": args.layout_windows}
     cpus = sorted(os.sched_getaffinity(0))
     data: dict[str, Any] = {
-        "command": "python bench/search_baseline.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("search_baseline", argv),
         "machine": machine_info(), "batches": list(batches), "timing": timing, "repeats": repeats, "rows": [],
         "notes": [f"bert-base is the full encoder: {MODELS['bert-base']}"],
     }
@@ -172,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             data["rows"].append(row)
             print(f"  {name} {slo:g} ms: pick {row['quick_layout']} vs {row['baseline_layout']}, gain "
                   f"{row.get('gain')}, search {row['search_s']} s, load {row['load_before']}", flush=True)
-            (out / "search_baseline.json").write_text(json.dumps(data, indent=1))
+            write_json(out / "search_baseline.json", data)
     body = render(data)
     print(body)
     if args.results_md:

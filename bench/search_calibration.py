@@ -1,14 +1,14 @@
 """Calibration for the layout-search study: real single-instance profiles and the 2-instance contention factor.
 
-    python bench/search_calibration.py                           # resnet50, bert-base, deepspeech2 (~15 min here)
-    python bench/search_calibration.py --models resnet50 --quick # smoke: batches 1,2,4 only
-    python bench/search_calibration.py --models deepspeech2      # re-measure one model, keep the others
+    python -m bench.search_calibration                           # resnet50, bert-base, deepspeech2 (~15 min here)
+    python -m bench.search_calibration --models resnet50 --quick # smoke: batches 1,2,4 only
+    python -m bench.search_calibration --models deepspeech2      # re-measure one model, keep the others
 
 For each model: one instance alone (reamer.serve.measure.profiler.measure_point: pinned worker, warm-up,
 windows until the last three are stable) on 1 and 2 cores at batches 1..32; then, per contention
 batch, one 1-core instance alone and two 1-core instances running together on cpus 0 and 1
 (measure_layout_detail, same fixed windows) — the ratio of per-instance throughput together vs alone
-is the contention factor the simulator (reamer.plan.simulator.CalibratedModel) extrapolates.
+is the contention factor the simulator (bench.simulator.CalibratedModel) extrapolates.
 Writes bench/search_calibration.json (kept in the repository; other models' entries are kept) and
 records the load average before/after every model, since this machine is shared.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -26,48 +25,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from bench.harness import BENCH, ROOT, command_line, loadavg, machine_info, replace_section, write_json
+from bench.models import SEARCH_MODELS as MODELS, model_file
 
-from reamer.host.errors import ReamerError  # noqa: E402
-from reamer.plan.layout import Layout  # noqa: E402
-from reamer.serve.models import build_model  # noqa: E402
-from reamer.serve.measure.profiler import measure_layout_detail, measure_point  # noqa: E402
+from reamer.host.errors import ReamerError
+from reamer.plan.layout import BACKENDS, Layout
+from reamer.serve.measure.profiler import measure_layout_detail, measure_point
 
 CALIBRATION = BENCH / "search_calibration.json"
-MODELS: dict[str, dict[str, Any]] = {
-    "resnet50": {},
-    "bert-base": {"layers": 12, "seq_len": 128},
-    "deepspeech2": {},
-}
 BACKEND = "onnxruntime"
-
-
-def machine_info() -> dict[str, Any]:
-    from reamer.host.topology import read_topology
-
-    model = read_topology().model_name
-    return {"cpu_model": model, "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "kernel": platform.release()}
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def model_file(family: str, options: dict[str, Any], cache_dir: Path) -> Path:
-    """Build (once) the ONNX file of a family with these options into cache_dir."""
-    tag = "-".join(f"{k}{v}" for k, v in sorted(options.items()))
-    path = cache_dir / f"{family}{'-' + tag if tag else ''}.onnx"
-    if not path.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.onnx")
-        build_model(family, tmp, **options)
-        os.replace(tmp, path)
-    return path
 
 
 def measure_contention(path: Path, family: str, cpus: list[int], batches: list[int],
@@ -190,7 +156,7 @@ SUBSECTION = "### Calibration: real single-instance profiles and contention"
 
 def render(data: dict[str, Any]) -> str:
     """Markdown summary of a calibration document (throughput and p99 per cores × batch, contention)."""
-    lines = [f"Command: `{data.get('command', 'python bench/search_calibration.py')}` · machine: "
+    lines = [f"Command: `{data.get('command', 'python -m bench.search_calibration')}` · machine: "
              f"{data['machine']['cpu_model']}, {data['machine']['cpus']} cpus · {data.get('backend', BACKEND)} · "
              f"JSON: bench/search_calibration.json. Load average (1/5/15 min) before → after is listed per model "
              f"(on a shared machine the profiles carry other tenants' load).", ""]
@@ -223,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke: batches 1,2,4; contention at batch 1")
     p.add_argument("--ratio", action="store_true",
                    help="(--backend openvino) points as same-run ratios to onnxruntime times its stored points")
-    p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "openvino"),
+    p.add_argument("--backend", default="onnxruntime", choices=BACKENDS,
                    help="onnxruntime: the top-level models; openvino: backends.openvino.models (with streams)")
     p.add_argument("--contention-only", action="store_true", help="keep the stored points, measure contention again")
     p.add_argument("--calibration", default=None,
@@ -249,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         out_path = CALIBRATION
     data = json.loads(out_path.read_text()) if out_path.exists() else {}
     data.setdefault("models", {})
-    command = "python bench/search_calibration.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("search_calibration", argv)
     target = data
     if BACKEND == "onnxruntime":
         data.update({"machine": machine_info(), "backend": BACKEND, "timing": timing, "command": command})
@@ -275,18 +241,14 @@ def main(argv: list[str] | None = None) -> int:
                                         [int(x) for x in args.cores.split(",")], contention_batches, timing, previous)
             entry["measured_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             target["models"][family] = entry
-            tmp = out_path.with_name(f".{out_path.name}.tmp")
-            tmp.write_text(json.dumps(data, indent=1))
-            os.replace(tmp, out_path)  # after every model: a crash keeps what was measured
+            write_json(out_path, data)  # after every model: a crash keeps what was measured
     except ReamerError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.out and Path(args.out).resolve() != out_path.parent.resolve():
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / out_path.name).write_text(json.dumps(data, indent=1))
+        write_json(Path(args.out) / out_path.name, data)
     if args.results_md and not args.quick:
-        from results_md import replace_section
-        from search_quality import SECTION
+        from bench.search_quality import SECTION
 
         replace_section(args.results_md, SUBSECTION, render(data), parent=SECTION)
     print(f"calibration: {out_path}")

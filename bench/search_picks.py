@@ -2,7 +2,7 @@
 settings (0.5 s warm-up, 0.25 s windows, 90 s budget, batches up to 8, a fresh profile cache each time) several
 times in a row and prints, per run, every layout verification and the ranked candidates.
 
-    flock /work/coord/bench.lock .venv/bin/python bench/search_picks.py --model resnet50 --slo 1000 --runs 2
+    flock /work/coord/bench.lock .venv/bin/python -m bench.search_picks --model resnet50 --slo 1000 --runs 2
 """
 from __future__ import annotations
 
@@ -13,14 +13,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (str(ROOT), str(ROOT / "bench")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
 
 def main() -> int:
-    from search_calibration import model_file
+    from bench.models import model_file
 
     from reamer.plan.layout import format_layout
     from reamer.search.on_cores import MeasureSettings, batch_choices, search_layout

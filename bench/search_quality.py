@@ -1,12 +1,12 @@
 """Layout-search quality (issue 4): quick search vs exhaustive search.
 
-    python bench/search_quality.py                 # simulator study (16/32/64 cores) + real 2-core check (~10 min)
-    python bench/search_quality.py --skip-real     # simulator study only (seconds)
-    python bench/search_quality.py --quick         # smoke: one model, 16 cores, offline, no real check
+    python -m bench.search_quality                 # simulator study (16/32/64 cores) + real 2-core check (~10 min)
+    python -m bench.search_quality --skip-real     # simulator study only (seconds)
+    python -m bench.search_quality --quick         # smoke: one model, 16 cores, offline, no real check
 
-Simulator study: reamer.plan.simulator.CalibratedModel, calibrated from this machine's real
+Simulator study: bench.simulator.CalibratedModel, calibrated from this machine's real
 single-instance profiles and 2-instance contention (bench/search_calibration.json, written by
-bench/search_calibration.py), stands in for 16-, 32- and 64-core machines. The quick search sees
+python -m bench.search_calibration), stands in for 16-, 32- and 64-core machines. The quick search sees
 noisy single-instance profiles and noisy layout runs, like real measurements; its pick is judged
 by the noise-free truth against the exhaustive best, which is exact (the simulator is a formula:
 a knapsack over core counts, cross-checked by enumerating every layout of small spaces: 16 cores
@@ -32,19 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from bench.harness import (BENCH, RESULTS_DIR, RESULTS_MD, command_and_machine, command_line, loadavg, machine_info,
+                           replace_section, write_json)
 
-from results_md import replace_section  # noqa: E402
+from bench.simulator import CalibratedBackends, CalibratedModel, calibrated_backends, calibrated_models
 
-from reamer.plan.layout import Layout, count_layouts, format_layout, parse_layout  # noqa: E402
-from reamer.search.method import (DEFAULT_BATCHES, count_backend_layouts, exhaustive_search,  # noqa: E402
-                                quick_search, quick_search_backends)
-from reamer.plan.simulator import (CalibratedBackends, CalibratedModel, calibrated_backends,  # noqa: E402
-                                   calibrated_models)
+from reamer.plan.layout import Layout, count_layouts, format_layout, parse_layout
+from reamer.search.method import (DEFAULT_BATCHES, count_backend_layouts, exhaustive_search,
+                                  quick_search, quick_search_backends)
 
 SECTION = "## Layout search (issue 4)"
 SUBSECTION = "### Search quality: quick vs exhaustive"
@@ -162,10 +157,10 @@ def simulator_study(calibration: dict, models: list[str], cores: list[int], slos
                     backends: str = "onnxruntime") -> list[dict]:
     if backends == "auto":
         load, simulate = calibrated_backends, lambda m, n, slo: simulate_backends_one(m, n, slo, batches)
-        fix = "bench/search_calibration.py --backend openvino --models {} (not calibrated on every backend)"
+        fix = "python -m bench.search_calibration --backend openvino --models {} (not calibrated on every backend)"
     else:
         load, simulate = calibrated_models, lambda m, n, slo: simulate_one(m, n, slo, batches, enumerate_limit)
-        fix = "bench/search_calibration.py --models {} first (not in the calibration)"
+        fix = "python -m bench.search_calibration --models {} first (not in the calibration)"
     rows = []
     for noise in noises:
         base = load(calibration, noise=noise)
@@ -203,7 +198,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 def real_check(calibration: dict, models: list[str], slos: list[float | None], batches: tuple[int, ...],
                timing: dict[str, float], repeats: int) -> list[dict]:
-    from search_calibration import MODELS, loadavg, model_file
+    from bench.models import SEARCH_MODELS as MODELS, model_file
 
     from reamer.search.method import all_layouts
     from reamer.serve.measure.profiler import measure_layout, measure_point
@@ -296,7 +291,7 @@ def _pct(x: float | None) -> str:
 def render(data: dict) -> str:
     auto = data.get("backends") == "auto"
     lines = [
-        f"Command: `{data['command']}` · machine: {data['machine']['cpu_model']}, {data['machine']['cpus']} cpus · "
+        command_and_machine(data) + f" · "
         f"load average at start {data['load_start']} · calibration: bench/search_calibration.json "
         f"(its load averages are in the Calibration section).",
         "",
@@ -405,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="onnxruntime", choices=("onnxruntime", "auto"),
                    help="auto: the search over every calibrated backend and OpenVINO streams (issue 14); "
                         "simulator only, its own RESULTS subsection")
-    p.add_argument("--out", default=str(BENCH / "out"))
-    p.add_argument("--results-md", default=str(BENCH / "RESULTS.md"), help="'' to skip writing RESULTS.md")
+    p.add_argument("--out", default=str(RESULTS_DIR / "search_quality"))
+    p.add_argument("--results-md", default=str(RESULTS_MD), help="'' to skip writing RESULTS.md")
     args = p.parse_args(argv)
 
     calibration = json.loads(Path(args.calibration).read_text())
@@ -423,10 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         models, cores, slos, noises, seeds, args.skip_real = models[:1], [16], [None], noises[-1:], 1, True
     batches = tuple(int(x) for x in args.batches.split(","))
-    from search_calibration import loadavg, machine_info
 
     data: dict[str, Any] = {
-        "command": "python bench/search_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("search_quality", argv),
         "machine": machine_info(), "load_start": loadavg(), "models": models, "cores": cores, "slos": slos,
         "noises": noises, "seeds": seeds, "batches": list(batches), "targets": {
             "ratio": QUALITY_TARGET, "measured_fraction": MEASURE_TARGET},
@@ -452,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "search_quality_auto.json" if args.backends == "auto" else "search_quality.json"
-    (out / name).write_text(json.dumps(data, indent=1))
+    write_json(out / name, data)
     body = render(data)
     print(body)
     if args.results_md:

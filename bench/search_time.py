@@ -1,7 +1,7 @@
 """Where the quick search's wall time goes on this machine (issue 14: ≤ 2 min per model).
 
-    python bench/search_time.py --models resnet50,bert-base            # `reamer search`'s defaults, backend auto
-    python bench/search_time.py --models exported:bert --budget-s 100  # with a time budget
+    python -m bench.search_time --models resnet50,bert-base            # `reamer search`'s defaults, backend auto
+    python -m bench.search_time --models exported:bert --budget-s 100  # with a time budget
 
 Runs `search_layout(model, "auto", cpus, slo)` as `reamer search --cores N --no-cache` does and times every
 worker process the profiler starts: spawn → READY (process start, imports, model load/compile, first
@@ -21,15 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-FAMILIES: dict[str, dict[str, Any]] = {
-    "resnet50": {}, "mobilenet_v2": {}, "bert-base": {"layers": 12, "seq_len": 128}, "deepspeech2": {},
-}
+from bench.harness import RESULTS_DIR, ROOT, command_line, loadavg, machine_info, write_json
+from bench.models import resolve_model
 
 PROBE = r"""
 import json, os, sys, time
@@ -49,17 +42,6 @@ t_second = time.perf_counter()
 print(json.dumps({"import_s": t_import - t0, "load_s": t_load - t_import, "first_batch_s": t_first - t_load,
                   "steady_batch_s": t_second - t_first}))
 """
-
-
-def model_path(name: str, model_dir: Path) -> str:
-    if name.startswith("exported:"):
-        sys.path.insert(0, str(ROOT / "tests" / "acceptance"))
-        from exported_models import ensure_models
-
-        return str(ensure_models() / f"{name.split(':', 1)[1]}.onnx")
-    from search_calibration import model_file
-
-    return str(model_file(name, FAMILIES.get(name, {}), model_dir))
 
 
 def probe(backend: str, path: str, cpus: list[int]) -> dict[str, float]:
@@ -156,8 +138,6 @@ CLOCK = WorkerClock()
 
 
 def time_search(name: str, path: str, cpus: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    from search_calibration import loadavg
-
     from reamer.search.on_cores import MeasureSettings, search_layout
 
     clock = CLOCK
@@ -213,26 +193,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--no-probe", action="store_true", help="skip the start-up probe per backend")
     p.add_argument("--model-dir", default="/tmp/reamer-bench-models")
-    p.add_argument("--out", default=str(BENCH / "results" / "search_time"))
+    p.add_argument("--out", default=str(RESULTS_DIR / "search_time"))
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
-    from search_calibration import loadavg, machine_info
-
     from reamer.search.on_cores import resolve_backends
 
     CLOCK.install()
     cpus = [int(c) for c in args.cpus.split(",")] if args.cpus else sorted(os.sched_getaffinity(0))
-    data: dict[str, Any] = {"command": "python bench/search_time.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    data: dict[str, Any] = {"command": command_line("search_time", argv),
                             "machine": machine_info(), "cpus": cpus, "load_start": loadavg(), "rows": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in [m for m in args.models.split(",") if m]:
-        path = model_path(name, Path(args.model_dir))
+        path = resolve_model(name, Path(args.model_dir))
         probes = {} if args.no_probe else {b: probe(b, path, cpus[:1]) for b in resolve_backends(args.backend)}
         row = time_search(name, path, cpus, args)
         row["probe"] = probes
         data["rows"].append(row)
-        (out / "search_time.json").write_text(json.dumps(data, indent=1, default=str))
+        write_json(out / "search_time.json", data)
         print(f"== {name}: {row['wall_s']} s, {len(row['rows'])} runs, pick {row['pick']}, complete {row['complete']},"
               f" load {row['load_before']} -> {row['load_after']}", flush=True)
         print(f"   parts {row['parts_s']}; by kind {row['by_kind']}; probe {probes}", flush=True)
@@ -243,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{w['result'] - w['go']:5.1f} s ({w['windows']} × batch {w['batch_ms'] or 0:.0f} ms)",
                       flush=True)
     data["load_end"] = loadavg()
-    (out / "search_time.json").write_text(json.dumps(data, indent=1, default=str))
+    write_json(out / "search_time.json", data)
     return 0
 
 

@@ -3,7 +3,7 @@ then an online job with one 1-thread instance per cpu (its front door on all of 
 fixed rate with binary tensors by the lean client of bench/online_peers.py: the cpu per request of the job's own
 process (the front door), of its instances, and of the client.
 
-    .venv/bin/python bench/serving_cost.py --model mobilenet_v2 --backend onnxruntime --rate 200
+    .venv/bin/python -m bench.serving_cost --model mobilenet_v2 --backend onnxruntime --rate 200
 """
 from __future__ import annotations
 
@@ -16,11 +16,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (str(ROOT), str(ROOT / "bench")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 
 def inference_alone_ms(backend_kind: str, model: str, cpu: int, repeats: int = 200) -> tuple[float, dict]:
@@ -43,15 +38,15 @@ def inference_alone_ms(backend_kind: str, model: str, cpu: int, repeats: int = 2
 
 
 def main() -> int:
-    from metrics import process_cpu_seconds
-    from online_peers import ReamerJob, lean_step
-    from search_calibration import model_file
+    from bench.metrics import process_cpu_seconds
+    from bench.online_peers import ReamerJob, lean_step
+    from bench.models import model_file
 
-    from reamer.plan.layout import Layout
+    from reamer.plan.layout import BACKENDS, Layout
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="mobilenet_v2")
-    p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "openvino"))
+    p.add_argument("--backend", default="onnxruntime", choices=BACKENDS)
     p.add_argument("--rate", type=float, default=200.0, help="open-loop requests/s")
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--model-dir", default="/tmp/reamer-bench-models")

@@ -9,10 +9,10 @@ Online: a reamer online job (front door on cpu 0, instance on cpu 1) serving req
 (tritonclient, binary tensor extension both ways) one at a time with random (exponential) think times, so
 nothing queues, against the same inference called the same way directly in a process pinned like the instance. Overhead = p50(front door) - p50(direct).
 
-    .venv/bin/python bench/serving_overhead.py                       # resnet50 + bert-base, 3 trials
-    .venv/bin/python bench/serving_overhead.py --quick --out /tmp/so # tiny model, smoke run
+    .venv/bin/python -m bench.serving_overhead                       # resnet50 + bert-base, 3 trials
+    .venv/bin/python -m bench.serving_overhead --quick --out /tmp/so # tiny model, smoke run
     # the REST front door on the acceptance suite's exported BERT (transformers + torch.onnx), binary and JSON tensors:
-    .venv/bin/python bench/serving_overhead.py --models exported:bert --online-only --encodings binary,json --trials 3
+    .venv/bin/python -m bench.serving_overhead --models exported:bert --online-only --encodings binary,json --trials 3
 """
 from __future__ import annotations
 
@@ -33,25 +33,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-for _p in (str(ROOT), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from bench.harness import RESULTS_DIR, ROOT, command_line, machine_info, replace_section, write_json
+from bench.models import EXPORTED, model_file
 
-from results_md import replace_section  # noqa: E402
-from search_calibration import machine_info, model_file  # noqa: E402
-
-from reamer.plan.layout import Layout, parse_layout  # noqa: E402
-from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus  # noqa: E402
+from reamer.plan.layout import Layout, parse_layout
+from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus
 
 HEADING = "## Serving overhead (issue 3)"
 MODEL_OPTIONS = {"resnet50": {}, "bert-base": {"layers": 12, "seq_len": 128}, "tiny": {}, "mobilenetv2": {}}
-# "exported:NAME": a model made by the real exporters, from the acceptance suite's builder (cached; needs the
-# test extra to build: torch, transformers)
-EXPORTED = "exported:"
-
-
 def exported_model(family: str, seq: int) -> tuple[str, dict[str, np.ndarray]]:
     """(path, one request's inputs with valid token ids at `seq`) of an exported model."""
     from tests.acceptance.exported_models import SPECS, ensure_models
@@ -755,7 +744,7 @@ def run(settings: Settings, out: Path, command: str = "") -> dict:
                   f"{summary['grpc_overhead_ms']:.2f} ms (in the job {summary['grpc_in_job_p50_ms']:.2f} ms, p50 "
                   f"{summary['grpc_p50_ms']:.2f}, tritonclient.grpc {summary['tritonclient_grpc_p50_ms']:.2f} ms)", flush=True)
     results["uptime_after"] = _uptime()
-    (out / "serving_overhead.json").write_text(json.dumps(results, indent=2))
+    write_json(out / "serving_overhead.json", results, indent=2)
     return results
 
 
@@ -895,7 +884,7 @@ def markdown(results: dict, command: str) -> str:
         "0.21, write 0.19): the model's weights push the job's code and data out of the shared cache. Moving 600 KB "
         "over loopback TCP costs ~0.55 ms by itself on this VM: a raw-socket client and server on one cpu take 0.73 "
         "ms p50 per round trip with a 602112-byte request against 0.18 ms with a 3000-byte one "
-        "(`python bench/loopback_floor.py`, 200 requests each, load 0.6). So the overhead is now measured against "
+        "(`python -m bench.loopback_floor`, 200 requests each, load 0.6). So the overhead is now measured against "
         "a direct TCP server that moves the same bytes.",
         "- **Reply-through (this change):** the instance answers all-binary requests on the client's socket itself "
         "(the socket passed with the batch), so the reply-back hop, the wake-up of the job and its cold encode and "
@@ -942,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=None, help="comma-separated model families (default resnet50,bert-base)")
     p.add_argument("--backends", default="onnxruntime,openvino")
     p.add_argument("--trials", type=int, default=None)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving_overhead"))
+    p.add_argument("--out", default=str(RESULTS_DIR / "serving_overhead"))
     p.add_argument("--results-md", default=None, help="write the section into this RESULTS.md")
     p.add_argument("--no-ov-compare", action="store_true")
     p.add_argument("--online-only", action="store_true", help="measure only the front-door overhead")
@@ -963,7 +952,7 @@ def main(argv: list[str] | None = None) -> int:
         commands, loads = [], []
         for f in args.render.split(","):
             r = json.loads(Path(f).read_text())
-            commands.append(r.get("command") or "python bench/serving_overhead.py")
+            commands.append(r.get("command") or "python -m bench.serving_overhead")
             loads.append(f"`{r['uptime_before']}` → `{r['uptime_after']}`")
             if not merged:
                 merged = r
@@ -992,7 +981,7 @@ def main(argv: list[str] | None = None) -> int:
         backends=args.backends.split(","), ov_compare=not args.no_ov_compare,
         **_placement(_ALL_CPUS), offline=not args.online_only,
         online=not args.offline_only, encodings=tuple(args.encodings.split(",")), seq=args.seq)
-    command = "python bench/serving_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("serving_overhead", argv)
     results = run(settings, Path(args.out), command.strip())
     body = markdown(results, command.strip())
     print(body)

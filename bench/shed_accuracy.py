@@ -4,7 +4,7 @@ took, while the lean client sends fixed open-loop rates (12 s each). Prints, per
 quantiles, how many requests the job would have refused (estimate over the SLO) and how many of those finished in
 time anyway, and how many finished late.
 
-    .venv/bin/python bench/shed_accuracy.py --model resnet50 --layout 2x1:b1@onnxruntime --slo 200 --rates 22,24,26
+    .venv/bin/python -m bench.shed_accuracy --model resnet50 --layout 2x1:b1@onnxruntime --slo 200 --rates 22,24,26
 
 The job runs in a wrapper process (`--job-wrapper`, used by this script itself) that replaces the batcher's
 estimate with a logging one that never sheds; nothing of the agent or the job is changed on disk.
@@ -21,10 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (str(ROOT), str(ROOT / "bench")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from bench.harness import bench_command
 
 
 def job_wrapper(log_path: str, job_args: list[str]) -> None:
@@ -53,16 +50,18 @@ def job_wrapper(log_path: str, job_args: list[str]) -> None:
 
 
 def quantile(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+    from reamer.plan.statistics import percentile
+
+    return percentile(values, 100 * q)
 
 
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--job-wrapper":
         job_wrapper(sys.argv[2], sys.argv[3:])
         return 0
-    from online_peers import ReamerJob, lean_step
-    from search_calibration import model_file
-    from serving_cost import inference_alone_ms
+    from bench.online_peers import ReamerJob, lean_step
+    from bench.models import model_file
+    from bench.serving_cost import inference_alone_ms
 
     from reamer.plan.layout import parse_layout
 
@@ -82,7 +81,7 @@ def main() -> int:
         log = Path(tmp) / "estimates.jsonl"
         log.touch()
         job = ReamerJob(model, parse_layout(args.layout), cpus, args.slo, Path(tmp) / "job", inputs,
-                        command=(sys.executable, str(Path(__file__).resolve()), "--job-wrapper", str(log)))
+                        command=bench_command("shed_accuracy", "--job-wrapper", str(log)))
         try:
             lean_step(job.port, job.request, rates[0] * 0.7, 3.0, 1, 30.0)  # warm-up, discarded
             for rate in rates:

@@ -6,7 +6,7 @@ so a real job can be measured — alone, or attached to reamer with `reamer trai
 compared with the emulator's numbers. Needs `pip install torch` (torchvision optional: with it,
 --model can name any torchvision classification model).
 
-    python bench/train_gpu_pytorch.py --iterations 200 --model resnet18 --batch 64 \
+    python -m bench.train_gpu_pytorch --iterations 200 --model resnet18 --batch 64 \
         --loader-workers 4 --report train.json
 
 The data pipeline does the same kind of CPU work as the emulator's loaders: decode (zlib),

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from lab.errors import LabSkip
-from lab.image import build_image, ensure_host_tools
+from lab.image import RECIPES, build_image, ensure_host_tools
 from lab.profiles import PROFILES
 from lab.report import ProfileResult, read_junit, summary_lines, write_skip_junit, write_summary
 from lab.vm import run_profile
@@ -115,11 +115,13 @@ def main(argv: list[str] | None = None) -> int:
                               f"this host is {sys.platform}/{os.uname().machine}")
             shares = shares_for(args.venv)
             ensure_host_tools(log)
-            t = time.monotonic()
-            print(f"lab: image (recipe-keyed cache, build log {log})", flush=True)
-            image = build_image(log, rebuild=args.rebuild)
-            print(f"lab: image {image.directory} (kernel {image.kernel_version}) ready in {time.monotonic() - t:.0f} s",
-                  flush=True)
+            images = {}
+            for recipe in dict.fromkeys(PROFILES[name].image for name in names):
+                t = time.monotonic()
+                print(f"lab: image {recipe} (recipe-keyed cache, build log {log})", flush=True)
+                images[recipe] = image = build_image(log, rebuild=args.rebuild, recipe=RECIPES[recipe])
+                print(f"lab: image {recipe} {image.directory} (kernel {image.kernel_version}) ready in "
+                      f"{time.monotonic() - t:.0f} s", flush=True)
             models = build_models(args.out, args.venv)
         except LabSkip as skip:
             reason = skip.reason + (f" (fix: {skip.fix})" if skip.fix else "")
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             profile = PROFILES[name]
             out_dir = args.out / name
             print(f"lab: booting {name} ({profile.description})", flush=True)
-            run = run_profile(image, profile, out_dir, shares, PROFILE_TIMEOUT_S, args.pytest_args,
+            run = run_profile(images[profile.image], profile, out_dir, shares, PROFILE_TIMEOUT_S, args.pytest_args,
                               {"REAMER_LAB_MODELS": str(models)})
             result = result_for(name, run, out_dir)
             results.append(result)

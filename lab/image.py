@@ -1,6 +1,7 @@
-"""The lab's VM image: Debian's kernel, a busybox initrd and an ext4 root filesystem with systemd, python3,
-podman and docker, all from Debian packages, built once and cached outside the checkout, keyed by a hash
-of the recipe (the constants below and the files in lab/guest/image/)."""
+"""The lab's VM images: Debian's kernel, a busybox initrd and an ext4 root filesystem with systemd and the
+host's software, all from Debian packages, built once and cached outside the checkout, keyed by a hash of
+the recipe (its constants and the files in lab/guest/image/). One recipe per image: `bookworm` (python3,
+podman, docker, Slurm) and `trixie-k8s` (Debian 13 with containerd 1.7 for NRI); a profile names its image."""
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +16,7 @@ from pathlib import Path
 from lab.errors import LabSkip
 
 SUITE = "bookworm"
-KERNEL_META = "linux-image-amd64"
+KERNEL_META = "linux-image-amd64"  # resolved with the host's apt (bookworm): every image boots Debian 12's kernel
 PACKAGES = (
     "systemd-sysv", "udev", "dbus", "kmod", "python3", "iproute2", "procps", "numactl", "util-linux",
     "libsqlite3-0", "libssl3", "libffi8",  # what the shared CPython build links against
@@ -45,6 +46,35 @@ GUEST_DIR = Path(__file__).resolve().parent / "guest"
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """What goes into one image. The bookworm recipe hashes exactly as the single image before it did, so
+    its cached image stays valid."""
+    name: str
+    suite: str
+    packages: tuple[str, ...]
+    disable_units: tuple[tuple[str, ...], ...]  # units the packages enable that a profile starts only on demand
+
+    def hash_fields(self) -> list:
+        fields = [self.suite, KERNEL_META, self.packages, STRIP_MODULES, INITRD_MODULES, BUSYBOX_APPLETS,
+                  IMAGE_SIZE, 2]
+        return fields if self.name == "bookworm" else [*fields, self.name, self.disable_units]
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe("bookworm", SUITE, PACKAGES, (("docker.service", "docker.socket", "containerd.service"),
+                                         ("slurmctld.service", "slurmd.service", "munge.service"))),
+    # Debian 13: containerd 1.7 (NRI v2) and runc, nothing else, so it builds fast. The t64 names are the
+    # libraries the shared CPython build links against (`ldd` of its lib-dynload; libcrypt1, zlib, lzma and
+    # bzip2 come with minbase).
+    Recipe("trixie-k8s", "trixie",
+           ("systemd-sysv", "udev", "dbus", "kmod", "iproute2", "procps", "util-linux",
+            "libssl3t64", "libffi8", "libsqlite3-0", "libexpat1", "libncursesw6", "libreadline8t64", "libuuid1",
+            "containerd", "runc"),
+           (("containerd.service",),)),
+)}
+
+
+@dataclass(frozen=True)
 class Image:
     directory: Path
     kernel: Path
@@ -53,10 +83,9 @@ class Image:
     kernel_version: str
 
 
-def recipe_hash() -> str:
+def recipe_hash(recipe: Recipe = RECIPES["bookworm"]) -> str:
     digest = hashlib.sha256()
-    digest.update(json.dumps([SUITE, KERNEL_META, PACKAGES, STRIP_MODULES, INITRD_MODULES, BUSYBOX_APPLETS,
-                              IMAGE_SIZE, 2]).encode())
+    digest.update(json.dumps(recipe.hash_fields()).encode())
     for file in sorted([*(GUEST_DIR / "image").rglob("*"), GUEST_DIR / "initrd-init"]):
         if file.is_file():
             digest.update(str(file.relative_to(GUEST_DIR)).encode())
@@ -138,9 +167,9 @@ def _build_initrd(work: Path, rootfs: Path, busybox: Path, kver: str, log: Path)
     return initrd
 
 
-def build_image(log: Path, *, rebuild: bool = False) -> Image:
+def build_image(log: Path, *, rebuild: bool = False, recipe: Recipe = RECIPES["bookworm"]) -> Image:
     """The cached image for this recipe, built first if missing (about a minute on 2 cores)."""
-    key = recipe_hash()
+    key = recipe_hash(recipe)
     final = CACHE_ROOT / key
     if rebuild and final.exists():
         shutil.rmtree(final)
@@ -151,7 +180,7 @@ def build_image(log: Path, *, rebuild: bool = False) -> Image:
         CACHE_ROOT.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f"build-{key}-", dir=CACHE_ROOT))
         try:
-            _build_into(work, log)
+            _build_into(work, log, recipe)
             if not final.exists():  # another run may have finished the same recipe meanwhile
                 os.replace(work / "out", final)
         finally:
@@ -160,7 +189,7 @@ def build_image(log: Path, *, rebuild: bool = False) -> Image:
     return Image(final, final / "vmlinuz", final / "initrd.img", final / "rootfs.ext4", meta["kernel_version"])
 
 
-def _build_into(work: Path, log: Path) -> None:
+def _build_into(work: Path, log: Path, recipe: Recipe) -> None:
     kernel_pkg = _kernel_package(log)
     kernel_root = work / "kernel"
     _run(["dpkg-deb", "-x", str(_fetch_deb(kernel_pkg, work / "debs", log)), str(kernel_root)], log)
@@ -181,15 +210,15 @@ def _build_into(work: Path, log: Path) -> None:
         # The kernel's config where Debian puts it, so tools (and reamer doctor) can read it.
         f'cp {kernel_root}/boot/config-{kver} "$1/boot/"',
         'chroot "$1" systemctl enable reamer-lab.service',
-        # Container engines stay off unless a profile asks for them (systemd.wants= on the kernel line).
-        'chroot "$1" systemctl disable docker.service docker.socket containerd.service || true',
-        'chroot "$1" systemctl disable slurmctld.service slurmd.service munge.service || true',
+        # Container engines and Slurm stay off unless a profile or a test starts them (systemd.wants= on the
+        # kernel line).
+        *(f'chroot "$1" systemctl disable {" ".join(units)} || true' for units in recipe.disable_units),
         'chroot "$1" useradd -m -s /bin/bash labuser',
         'rm -f "$1"/etc/machine-id "$1"/var/lib/dbus/machine-id; : > "$1"/etc/machine-id',
     ]
-    cmd = ["mmdebstrap", "--variant=minbase", "--mode=root", f"--include={','.join(PACKAGES)}"]
+    cmd = ["mmdebstrap", "--variant=minbase", "--mode=root", f"--include={','.join(recipe.packages)}"]
     cmd += [f"--customize-hook={hook}" for hook in hooks]
-    cmd += [SUITE, str(rootfs)]
+    cmd += [recipe.suite, str(rootfs)]
     _run(cmd, log, timeout=1800)
 
     # A tiny busybox root filesystem for local container images (no registry is reachable from the VM).
@@ -209,4 +238,5 @@ def _build_into(work: Path, log: Path) -> None:
     _run(["mkfs.ext4", "-q", "-F", "-L", "vmroot", "-E", "lazy_itable_init=0,lazy_journal_init=0", "-d", str(rootfs),
           str(out / "rootfs.ext4"), IMAGE_SIZE], log)
     (out / "image.json").write_text(json.dumps({"kernel_version": kver, "kernel_package": kernel_pkg,
-                                                "packages": list(PACKAGES), "suite": SUITE}, indent=1))
+                                                "packages": list(recipe.packages), "suite": recipe.suite,
+                                                "recipe": recipe.name}, indent=1))

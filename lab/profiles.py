@@ -15,6 +15,9 @@ class Profile:
     numa_nodes: int
     memory_mb: int
     kernel_args: tuple[str, ...] = ()
+    image: str = "bookworm"  # a recipe of lab/image.py RECIPES
+    # False: only the tests marked for this profile run here (a profile for one subsystem, not a host kind)
+    runs_unmarked_tests: bool = True
 
     @property
     def cpus(self) -> int:
@@ -45,4 +48,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             "1 socket x 2 cores x 2 threads",
             cgroup_v2=True, sockets=1, cores=2, threads=2, numa_nodes=1, memory_mb=4096,
             kernel_args=("systemd.wants=docker.service",)),
+    Profile("v2-k8s", "Debian 13 (trixie): cgroup v2 under systemd, containerd 1.7 with NRI and its CRI plugin "
+            "driven by the tests in the kubelet's place; 1 socket x 2 cores x 2 threads",
+            cgroup_v2=True, sockets=1, cores=2, threads=2, numa_nodes=1, memory_mb=3072,
+            image="trixie-k8s", runs_unmarked_tests=False),
 )}

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from reamer.host.cpulist import parse_cpulist
+from reamer.errors import ErrorKind
 from reamer.host.errors import ReamerError
 
 DEFAULT_CONFIG_DOC = "configs/reamer.yaml"
@@ -20,6 +21,8 @@ DEFAULT_CONFIG_DOC = "configs/reamer.yaml"
 
 class ConfigError(ReamerError):
     """The agent config names an unknown key or holds a value the agent cannot use."""
+
+    kind = ErrorKind.BAD_INPUT
 
 
 class _Section(BaseModel):
@@ -105,7 +108,8 @@ class InferenceConfig(_Section):
             if info.st_uid != 0 or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
                 raise ValueError(f"{path} must be owned by root and writable by root alone (it runs in every job)")
         return paths
-    # "module:function" returning reamer.agent.inference.LayoutChoice (None: built-in profile-cache chooser).
+    # "module:attribute", a reamer.search.chooser.LayoutChooser: f(LayoutRequest) -> LayoutChoice | None
+    # (None: the built-in profile-cache chooser).
     layout_chooser: Optional[str] = None
     # Where cached profiles are read from (default: <state_dir>/profiles).
     profile_dir: Optional[str] = None

@@ -1,27 +1,27 @@
-"""Errors the agent returns to API callers; the API maps each to an HTTP status and an error code."""
+"""Errors the agent returns to API callers; each names its row of reamer.errors.ErrorKind (code and HTTP status)."""
 from __future__ import annotations
 
 from typing import Any
 
-from reamer.host.errors import ReamerError
+from reamer.errors import ErrorKind, ReamerError
 
 
 class NotFound(ReamerError):
-    code = "not_found"
+    kind = ErrorKind.NOT_FOUND
 
 
 class Conflict(ReamerError):
-    code = "conflict"
+    kind = ErrorKind.CONFLICT
 
 
 class InvalidRequest(ReamerError):
-    code = "invalid_request"
+    kind = ErrorKind.INVALID_REQUEST
 
 
 class AdmissionRefused(ReamerError):
     """An online job's rate cannot be served within its SLO on the free cores."""
 
-    code = "admission_refused"
+    kind = ErrorKind.ADMISSION_REFUSED
 
     def __init__(self, message: str, fix: str = "", achievable_rps: float | None = None,
                  layout: str | None = None) -> None:

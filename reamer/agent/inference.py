@@ -8,8 +8,6 @@ change rewrites the spec and sends SIGHUP; an online job that loses its cores is
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 import os
 import signal
@@ -17,9 +15,8 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -30,6 +27,10 @@ from reamer.agent.errors import AdmissionRefused, InvalidRequest
 from reamer.host.cpulist import format_cpulist
 from reamer.host.errors import ReamerError
 from reamer.host.safe_files import UntrustedFileError, UntrustedFileMissing, open_untrusted
+from reamer.plan.layout import BACKENDS
+from reamer.search.backends import AUTO as AUTO_BACKEND  # the backend is a search dimension: the chosen layout names it
+from reamer.search.backends import installed_backends
+from reamer.search.chooser import LayoutChoice, LayoutChooser, LayoutRequest
 from reamer.serve.job_channel import (JOB_EVENT_KINDS, LIMITS, ChannelRead, EventCursor, JobChannel, ReadRequest,
                                       read_channels)
 from reamer.serve.spec import EVENTS_FILE, STATUS_FILE, InstanceSpec, JobSpec, JobStatus
@@ -49,212 +50,12 @@ FORWARDED_EVENTS = tuple(sorted(JOB_EVENT_KINDS))  # the kinds a job may emit (s
 EmitFn = Callable[..., Any]  # emit(kind, message, job=None, data=None)
 
 
-# --- layout choice (pluggable) -----------------------------------------------------------------
+# --- layout choice (pluggable: reamer.search.chooser) -------------------------------------------
 
-@dataclass
-class LayoutChoice:
-    """What a layout chooser decided for an online job on the given cores."""
-
-    layout: str | None  # None: no opinion (the default: one instance over all free cores)
-    accepted: bool = True
-    achievable_rps: float | None = None
-    reason: str = ""
-
-
-# choose_layout(model, backend, cpus, slo_ms, rate_rps) -> LayoutChoice | None
-LayoutChooser = Callable[[str, str, list[int], "float | None", "float | None"], "LayoutChoice | None"]
-
-
-def load_chooser(spec: str | None, profile_dir: str | Path, config: Any = None) -> LayoutChooser:
-    """A chooser from "module:function", or the built-in profile-cache chooser. `config` (the agent's
-    InferenceConfig) switches on the measured search on deploy for the built-in one."""
-    if not spec:
-        return ProfileCacheChooser(profile_dir, search=SearchOnDeploy.from_config(config))
-    module_name, _, attr = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ReamerError(f"inference.layout_chooser {spec!r} cannot be loaded: {exc}",
-                          "give an importable 'module:function', or remove the key") from None
-
-
-def choose_for(chooser: LayoutChooser, rec: "InferenceRecord", cpus: list[int]) -> "LayoutChoice | None":
-    """Ask `chooser` for the layout of `rec` on `cpus`, also passing the job's max batch, traffic (shapes and
-    sample data) and precision as the keywords `max_batch`, `samples` and `precision` to a chooser that takes
-    them (the built-in one does; a custom one written for the five positional arguments still works)."""
-    offered = {"max_batch": rec.max_batch, "samples": rec.samples(), "precision": rec.precision}
-    return chooser(rec.model, rec.backend, cpus, rec.slo_ms, rec.rate_rps, **_keywords_taken(chooser, offered))
-
-
-def _keywords_taken(fn: Callable, offered: dict[str, Any]) -> dict[str, Any]:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a callable without a signature: the five positional arguments only
-        return {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return offered
-    return {k: v for k, v in offered.items() if k in params}
-
-
-@dataclass(frozen=True)
-class SearchOnDeploy:
-    """How the built-in chooser measures a layout when no cached profile covers the free cpus."""
-
-    budget_s: float = 90.0
-    max_batch: int = 32
-    warmup_s: float = 0.5
-    window_s: float = 0.25
-
-    @classmethod
-    def from_config(cls, config: Any) -> "SearchOnDeploy | None":
-        if config is None or not getattr(config, "search_on_deploy", False):
-            return None
-        return cls(budget_s=config.search_budget_s, max_batch=config.search_max_batch,
-                   warmup_s=config.search_warmup_s, window_s=config.search_window_s)
-
-
-class ProfileCacheChooser:
-    """Cached profile -> plan_from_profile -> admit (no measuring, well under 100 ms).
-
-    Without a cached profile that covers the free cpus it runs the layout search on exactly those
-    cpus when `search` is set (they are idle at deploy; the searches of concurrent deploys take
-    turns), caches the points, and admits on the best measured layout. Without `search`, or when
-    the search cannot measure, it has no opinion (`reamer search MODEL` fills the cache)."""
-
-    def __init__(self, profile_dir: str | Path, search: SearchOnDeploy | None = None,
-                 margin: float = 0.10) -> None:
-        self.profile_dir = Path(profile_dir)
-        self.search = search
-        self.margin = margin
-        # set when the node reserves no cpu: front doors then share a layout's cores unless it leaves one idle
-        # (reamer.plan.frontdoor), and layouts are charged this much cpu per request for them
-        self.frontdoor_cpu_ms: float | None = None
-        self._searching = threading.Lock()
-
-    def __call__(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
-                 rate_rps: float | None, *, max_batch: int | None = None,
-                 samples: "SampleSpec | None" = None, precision: str = "f32") -> LayoutChoice | None:
-        """`max_batch`: the job's largest batch (None: up to the configured search_max_batch). `samples`: the
-        traffic's shapes and data (profiles are cached per traffic). `precision`: the job's (profiles of
-        OpenVINO at bf16 are cached apart from f32 ones)."""
-        if not cpus:
-            return None
-        choice = self._from_cache(model, backend, cpus, slo_ms, rate_rps, max_batch, samples, precision)
-        if choice is not None or self.search is None:
-            return choice
-        asked = time.monotonic()
-        with self._searching:  # concurrent deploys see the same free cpus: their searches take turns
-            # a search that ran while we waited may have cached what we need
-            return self._from_cache(model, backend, cpus, slo_ms, rate_rps, max_batch, samples, precision) or \
-                self._measure(model, backend, cpus, slo_ms, rate_rps, max_batch,
-                              budget_s=self.search.budget_s - (time.monotonic() - asked), samples=samples,
-                              precision=precision)
-
-    def _cached_points(self, model: str, backend: str, samples: "SampleSpec | None" = None,
-                       precision: str = "f32") -> list:
-        from reamer.serve.measure.profile_cache import ProfileCache, model_key
-
-        if not self.profile_dir.is_dir():
-            return []
-        try:
-            return ProfileCache(self.profile_dir).get(model_key(model, backend, samples=samples,
-                                                                precision=precision)) or []
-        except (OSError, ValueError) as exc:  # an unreadable cache is a miss, never a failed deploy
-            log.debug("no profile for %s/%s: %s", model, backend, exc)
-            return []
-
-    def _from_cache(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
-                    rate_rps: float | None, max_batch: int | None,
-                    samples: "SampleSpec | None" = None, precision: str = "f32") -> LayoutChoice | None:
-        from reamer.plan.admission import batch_latency_target_ms
-        from reamer.plan.online_sim import with_sustained
-        from reamer.plan.partition import NoFeasibleLayout
-        from reamer.search.method import plan_from_profile
-
-        backends = installed_backends() if backend == AUTO_BACKEND else [backend]
-        plans, refusals = [], []
-        for one in backends:
-            points = [p for p in self._cached_points(model, one, samples, precision)
-                      if max_batch is None or p.batch <= max_batch]
-            # a profile measured on fewer cores than are free now is a miss when we may measure
-            if not points or (self.search is not None and max(p.cores for p in points) < len(cpus)):
-                return None  # "auto" plans only when every backend is cached: else it would never measure one
-            try:
-                plan = plan_from_profile(points, len(cpus), batch_latency_target_ms(slo_ms))
-                if self.frontdoor_cpu_ms:
-                    plan = self._frontdoor_counted(plan, points, len(cpus), batch_latency_target_ms(slo_ms))
-                plans.append((one, plan, points))
-            except NoFeasibleLayout as exc:
-                refusals.append(exc.message)
-        if not plans:
-            return LayoutChoice(None, accepted=False, achievable_rps=0.0, reason="; ".join(refusals))
-        one, candidate, points = max(plans, key=lambda item: item[1].rps)
-        if slo_ms is not None:
-            candidate = with_sustained(candidate, slo_ms, points)
-        if backend == AUTO_BACKEND:
-            candidate = replace(candidate, layout=candidate.layout.on(one))
-        return self._admit(candidate, slo_ms, rate_rps, "planned from the cached profile")
-
-    def _frontdoor_counted(self, plan: Any, points: list, n_cores: int, target_ms: float | None) -> Any:
-        """The plan on all `n_cores` charged for the front door, or the plan on one core fewer if that carries more
-        (reamer.plan.frontdoor)."""
-        from reamer.plan.frontdoor import charge_candidates
-        from reamer.plan.partition import NoFeasibleLayout
-        from reamer.search.method import plan_from_profile
-
-        charged = charge_candidates([plan], n_cores, self.frontdoor_cpu_ms or 0.0)[0]
-        if n_cores < 2:
-            return charged
-        try:
-            fewer = plan_from_profile(points, n_cores - 1, target_ms)
-        except NoFeasibleLayout:
-            return charged
-        return fewer if fewer.rps > charged.rps else charged
-
-    def _measure(self, model: str, backend: str, cpus: list[int], slo_ms: float | None,
-                 rate_rps: float | None, max_batch: int | None, budget_s: float,
-                 samples: "SampleSpec | None" = None, precision: str = "f32") -> LayoutChoice | None:
-        """The search within `budget_s` (what is left of search.budget_s after waiting for another)."""
-        from reamer.search.on_cores import MeasureSettings, batch_choices, search_layout
-
-        assert self.search is not None
-        s = self.search
-        budget_s = max(budget_s, 1e-6)
-        log.info("searching a layout for %s (%s, %s) on cpus %s, budget %.1fs", model, backend, precision, cpus,
-                 budget_s)
-        try:
-            outcome = search_layout(model, backend, cpus, slo_ms, cache_dir=self.profile_dir,
-                                    batches=batch_choices(min(s.max_batch, max_batch or s.max_batch)),
-                                    budget_s=budget_s,
-                                    settings=MeasureSettings(warmup_s=s.warmup_s, window_s=s.window_s),
-                                    strict_cache=False, cache_source="agent deploy", samples=samples,
-                                    precision=precision, frontdoor_cpu_ms=self.frontdoor_cpu_ms)
-        except ReamerError as exc:  # the model would not run here: the job itself will say why
-            log.warning("layout search for %s failed: %s", model, exc)
-            return None
-        log.info("layout search for %s: %s after %d run(s)%s", model,
-                 outcome.best.layout if outcome.best else "nothing meets the SLO", len(outcome.rows),
-                 "" if outcome.complete else f" ({outcome.note})")
-        if outcome.best is None:
-            if not outcome.complete and rate_rps is None:
-                return None  # nothing measured in time and no rate to check: no opinion
-            slo = f"the {slo_ms:g} ms SLO" if slo_ms is not None else "the SLO"
-            reason = outcome.note or f"no layout on the free cores meets {slo}"
-            if not outcome.complete:
-                reason += "; raise inference.search_budget_s, or run `reamer search` for this model beforehand"
-            return LayoutChoice(None, accepted=False, achievable_rps=0.0, reason=reason)
-        how = "measured on the free cpus" if outcome.complete else outcome.note
-        return self._admit(outcome.best, slo_ms, rate_rps, how)
-
-    def _admit(self, candidate: Any, slo_ms: float | None, rate_rps: float | None, how: str) -> LayoutChoice:
-        from reamer.plan.admission import admit
-        from reamer.plan.layout import format_layout
-
-        layout = format_layout(candidate.layout)
-        if rate_rps is None or slo_ms is None:
-            return LayoutChoice(layout, reason=how)
-        decision = admit(candidate, rate_rps, slo_ms, margin=self.margin)
-        return LayoutChoice(layout, decision.accepted, decision.achievable_rps, f"{decision.reason}; {how}")
+def choose_for(chooser: LayoutChooser, rec: "InferenceRecord", cpus: list[int]) -> LayoutChoice | None:
+    """Ask `chooser` for the layout of `rec` on `cpus`: the one LayoutRequest every chooser takes."""
+    return chooser(LayoutRequest(rec.model, rec.backend, list(cpus), rec.slo_ms, rec.rate_rps,
+                                 max_batch=rec.max_batch, samples=rec.samples(), precision=rec.precision))
 
 
 # --- records ----------------------------------------------------------------------------------
@@ -907,7 +708,7 @@ def validate_request(req: dict[str, Any], default_backend: str,
 
     asked = req.get("backend") or default_backend
     backend = AUTO_BACKEND if asked == AUTO_BACKEND else canonical_backend(asked) or asked
-    if backend not in ("onnxruntime", "openvino", AUTO_BACKEND):
+    if backend not in (*BACKENDS, AUTO_BACKEND):
         raise InvalidRequest(f"backend {backend!r} is unknown", "use onnxruntime, openvino or auto")
     layout = req.get("layout")
     if layout:
@@ -1050,16 +851,6 @@ def client_url(bind_address: str, port: int) -> str:
         return f"http://{name}:{port}"
     host = f"[{address}]" if address.version == 6 else str(address)
     return f"http://{host}:{port}"
-
-
-AUTO_BACKEND = "auto"  # the backend is a search dimension: the chosen layout names it
-
-
-def installed_backends() -> list[str]:
-    """The backends whose runtime is importable here, in reamer's order."""
-    import importlib.util
-
-    return [b for b in ("onnxruntime", "openvino") if importlib.util.find_spec(b) is not None]
 
 
 def first_backend() -> str:

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from reamer.agent.training import job_process_trees
-from reamer.host.cgroup_kill import empty_cgroup
 from reamer.host.cgroups import CgroupDriver
 from reamer.host.errors import HostError
-from reamer.host.oom import oom_score_adj, set_oom_score_adj
+from reamer.host.executor import HostExecutor, executor_for
 from reamer.host.sched import ThreadGone
 
 log = logging.getLogger("reamer.memory")
@@ -41,9 +40,11 @@ class JobMemory:
 
 
 class InferenceMemoryGuard:
-    def __init__(self, driver: CgroupDriver, cgroup_name: str, oom_score_adj_value: int,
+    def __init__(self, driver: CgroupDriver | HostExecutor, cgroup_name: str, oom_score_adj_value: int,
                  default_limit_mb: float | None, emit: Callable[..., Any], proc_root: str = "/proc") -> None:
-        self.driver = driver
+        """`driver`: the host executor every change goes through, or a bare cgroup driver (one is made)."""
+        self.host = executor_for(driver, proc_root=proc_root)
+        self.driver: CgroupDriver = self.host.driver
         self.cgroup_name = cgroup_name
         self.oom_score_adj = oom_score_adj_value
         self.default_limit_mb = default_limit_mb
@@ -101,8 +102,8 @@ class InferenceMemoryGuard:
     def _prefer_as_victims(self, pids: list[int]) -> None:
         for pid in pids:
             try:
-                if oom_score_adj(pid, self.proc_root) != self.oom_score_adj:
-                    set_oom_score_adj(pid, self.oom_score_adj, self.proc_root)
+                if self.host.oom_score_adj(pid) != self.oom_score_adj:
+                    self.host.set_oom_score_adj(pid, self.oom_score_adj)
             except ThreadGone:
                 continue
             except HostError as exc:
@@ -114,18 +115,18 @@ class InferenceMemoryGuard:
         limit = self.limit_of(rec)
         self._left.discard(rec.name)  # deployed again under the same name: its cgroup is in use again
         if job is None or not self._exists(path):
-            self.driver.create(path, controllers=(MEMORY,))
+            self.host.create_cgroup(path, controllers=(MEMORY,))
             job = self.jobs.setdefault(rec.name, JobMemory(limit_mb=-1.0))
             settled = False  # a cgroup made anew holds none of them
         if job.limit_mb != limit:
-            self.driver.set_memory_limit(path, None if limit is None else int(limit * MIB))
+            self.host.set_memory_limit(path, None if limit is None else int(limit * MIB))
             job.limit_mb = limit
         if job.counter is None:
             job.counter = self.driver.oom_kills(path)
         for pid in [] if settled else pids:
             try:
                 if self.driver.cgroup_of(pid).get(MEMORY, "").strip("/") != path:
-                    self.driver.add_process(path, pid, controllers=(MEMORY,))
+                    self.host.add_process(path, pid, controllers=(MEMORY,))
             except ThreadGone:
                 continue
 
@@ -158,7 +159,7 @@ class InferenceMemoryGuard:
         behind, a hung process); True once none is left. Call without the agent's lock: it waits."""
         if not self.available:
             return True
-        return empty_cgroup(self.driver, self.cgroup_path(name), timeout)
+        return self.host.empty_cgroup(self.cgroup_path(name), timeout)
 
     def forget(self, name: str) -> None:
         """Remove a removed job's memory cgroup (after empty()); if it cannot go yet, every pass retries."""
@@ -175,9 +176,9 @@ class InferenceMemoryGuard:
             if not self._exists(path):
                 return True
             if self.driver.processes(path, MEMORY):
-                empty_cgroup(self.driver, path, timeout=0)  # one more round of kills; removed at a later pass
+                self.host.empty_cgroup(path, timeout=0)  # one more round of kills; removed at a later pass
                 return False
-            self.driver.remove(path)
+            self.host.remove_cgroup(path)
             return True
         except (HostError, OSError) as exc:
             log.warning("could not remove %s: %s", path, exc)

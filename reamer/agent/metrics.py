@@ -85,17 +85,12 @@ class AgentMetrics:
                                            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
         agent.on_reconcile.append(self.reconcile_seconds.observe)
         self._gpu_collector = None
-
-    def _register_gpu(self) -> None:
-        gpu = self.agent.gpu
-        if self._gpu_collector is not None or gpu is None or not hasattr(gpu, "collector"):
-            return
-        collector = gpu.collector()
-        self.registry.register(collector)
-        self._gpu_collector = collector
+        gpu = agent.gpu  # the GPU side's metrics are the agent's: one registry, one scrape
+        if gpu is not None and hasattr(gpu, "collector"):
+            self._gpu_collector = gpu.collector()
+            self.registry.register(self._gpu_collector)
 
     def render(self) -> bytes:
-        self._register_gpu()
         try:
             return generate_latest(self.registry)
         except Exception:  # noqa: BLE001 - a failing GPU collector must not take the agent's metrics down

@@ -21,6 +21,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Sequence
 
+from reamer.errors import ErrorKind
 from reamer.host.errors import ReamerError
 from reamer.host.identity import ProcessFacts
 
@@ -66,7 +67,7 @@ class SecurityRules:
 class Forbidden(ReamerError):
     """The policy refused a request (HTTP 403); `rule` names the rule that refused it."""
 
-    code = "forbidden"
+    kind = ErrorKind.FORBIDDEN
 
     def __init__(self, rule: str, message: str, fix: str) -> None:
         super().__init__(f"refused by rule {rule}: {message}", fix)

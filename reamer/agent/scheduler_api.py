@@ -19,6 +19,10 @@ import psutil
 from reamer.plan.coretable import AllocationError, CoreTable
 
 
+K8S_SPARE_CORES = "reamer.io/spare-cores"  # whole cores (an extended resource: integers only)
+K8S_BATCH_CPU = "reamer.io/batch-cpu"  # milli-cores for batch work, like koordinator's kubernetes.io/batch-cpu
+
+
 @dataclass(frozen=True)
 class Capacity:
     spare_cores: int  # whole cores a scheduler may hand to new work on this node
@@ -29,6 +33,8 @@ class Capacity:
     reserved_cpus: list[int]
     generation: int  # increases whenever spare_cores or offline capacity (to 0.1 core) changes
     ts: float = field(default_factory=time.time)
+    # the same in Kubernetes node-status units: extended resource name -> quantity (integers, as strings)
+    kubernetes: dict[str, str] = field(default_factory=dict)
 
     def to_doc(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,7 +75,8 @@ class CapacityTracker:
         capacity = Capacity(spare_cores=len(spare), spare_cpus=spare_cpus,
                             offline_capacity_cores=offline, offline_capacity_millicores=int(offline * 1000),
                             training_cores=training_cores, reserved_cpus=sorted(cores.reserved),
-                            generation=self.generation)
+                            generation=self.generation,
+                            kubernetes={K8S_SPARE_CORES: str(len(spare)), K8S_BATCH_CPU: str(int(offline * 1000))})
         changed = capacity.key() != self._last_key
         if changed:
             self.generation += 1

@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,26 +22,28 @@ import reamer
 from reamer.agent.config import AgentConfig
 from reamer.agent.errors import Conflict, InvalidRequest, NotFound
 from reamer.agent.events import Event, EventLog
-from reamer.agent.inference import (InferenceRecord, InferenceSupervisor, LayoutChooser, apply_choice, choose_for,
-                                    free_port, load_chooser, validate_request)
+from reamer.agent.inference import (InferenceRecord, InferenceSupervisor, apply_choice, choose_for, free_port,
+                                    validate_request)
 from reamer.agent.memory_guard import InferenceMemoryGuard
 from reamer.agent.policy import (AGENT, Caller, SecurityRules, check_cgroup, check_job_owner, check_priority,
                                  check_processes)
 from reamer.agent.scheduler_api import Capacity, CapacityTracker, admit_training
 from reamer.agent.slurm_jobs import SOURCE as SLURM_SOURCE, SlurmTraining
-from reamer.agent.store import Retention, Store
+from reamer.agent.k8s_jobs import SOURCE as K8S_SOURCE, K8sTraining
+from reamer.agent.store import Store
 from reamer.agent.training import (Placement, PinState, ProcessGate, RtThrottlingDisabled, TrainingPinner,
                                    job_processes)
-from reamer.host.cgroups import CgroupDriver, detect_driver
+from reamer.host.cgroups import CgroupDriver
 from reamer.host.access import Identity, can_access, identity_named, identity_of
 from reamer.host.errors import HostError, ReamerError
 from reamer.host.identity import ProcessFacts, pid_max, process_facts
 from reamer.host.sched import rt_throttling
-from reamer.host.topology import Topology, read_topology
+from reamer.host.executor import HostExecutor
+from reamer.host.topology import Topology
 from reamer.plan.coretable import AllocationError, CoreTable
+from reamer.search.chooser import LayoutChooser
 from reamer.serve.job_channel import read_channels
 from reamer.serve.deploy_check import DeployCheck
-from reamer.serve.model_types import CUSTOM_OP_LIBRARIES_ENV
 
 log = logging.getLogger("reamer.agent")
 
@@ -48,12 +51,28 @@ HEALTHY_RECONCILE_AGE_S = 15.0
 MIN_CHECK_MEMORY_MB = 512.0  # the least a deploy check gets (Python, onnx and a runtime opening a model)
 
 
+@dataclass
+class AgentParts:
+    """Everything the Agent holds, built by the composition root (reamer.node.build_parts, in its start order)."""
+
+    topology: Topology
+    host: HostExecutor  # the one executor of host changes (training and the memory guard share it)
+    store: Store
+    events: EventLog
+    cores: CoreTable
+    pinner: TrainingPinner
+    supervisor: InferenceSupervisor
+    memory: InferenceMemoryGuard
+    choose_layout: LayoutChooser
+    profile_dir: str
+    gpu: Any = None  # the GPU manager (reamer.gpu.manager), or None with gpu_message saying why
+    gpu_message: str = ""
+
+
 class Agent:
-    def __init__(self, config: AgentConfig, *, topology: Topology | None = None, driver: CgroupDriver | None = None,
-                 layout_chooser: LayoutChooser | None = None, gpu_manager: Any = None,
-                 proc_root: str = "/proc") -> None:
+    def __init__(self, config: AgentConfig, parts: AgentParts) -> None:
         self.config = config
-        self.proc_root = proc_root
+        self.proc_root = parts.host.proc_root
         sec = config.security
         self.rules = SecurityRules(tuple(sec.allowed_cgroup_prefixes), tuple(sec.protected_cgroups),
                                    sec.max_rt_priority)
@@ -65,40 +84,26 @@ class Agent:
         self.last_reconcile: float = 0.0
         self._last_gpu_tick: float = float("-inf")  # time.monotonic() of the last GPU sample
         self.on_reconcile: list[Callable[[float], None]] = []  # called with the pass duration (metrics, watchdog)
-        self.topology = topology or read_topology()
-        self.driver = driver or detect_driver(config.cgroup_root, proc_root)
-        self.cores = CoreTable(self.topology, set(config.reserved_cpus))
-        self.store = Store(config.store_path, Retention(config.events.max_count, int(config.events.max_mb * 2**20),
-                                                        config.events.max_per_job),
-                           reserve_bytes=int(config.events.disk_reserve_mb * 2**20))
-        self.events = EventLog(self.store)
-        self.pinner = TrainingPinner(self.driver, config.cgroup_name, config.training.rt_runtime_us, proc_root,
-                                     user_rt_percent=config.training.user_rt_percent)
-        self.supervisor = InferenceSupervisor(
-            config.run_dir, config.reserved_cpus, offline_sched=config.inference.offline_sched,
-            max_request_mb=config.inference.max_request_mb, emit=self.events.emit, save=self._save_inference, restart_limit=config.inference.restart_limit,
-            restart_window_s=config.inference.restart_window_s)
-        self.supervisor.frontdoor = config.inference.frontdoor.model_dump()
-        if config.inference.custom_op_libraries:  # inherited by jobs, deploy checks and searches (backends.py)
-            os.environ[CUSTOM_OP_LIBRARIES_ENV] = os.pathsep.join(config.inference.custom_op_libraries)
-        self.supervisor.bind_address = config.inference.bind_address
-        self.supervisor.job_log_mb = config.inference.job_log_mb
-        self.memory = InferenceMemoryGuard(self.driver, config.cgroup_name, config.inference.oom_score_adj,
-                                           config.inference.memory_limit_mb, self.events.emit, proc_root)
-        profile_dir = config.inference.profile_dir or str(Path(config.state_dir) / "profiles")
-        self.profile_dir = profile_dir
-        self.choose_layout: LayoutChooser = layout_chooser or load_chooser(config.inference.layout_chooser, profile_dir, config.inference)
-        if not config.reserved_cpus and hasattr(self.choose_layout, "frontdoor_cpu_ms"):
-            from reamer.plan.frontdoor import DEFAULT_FRONTDOOR_CPU_MS  # front doors share cores: count their cpu
-
-            self.choose_layout.frontdoor_cpu_ms = DEFAULT_FRONTDOOR_CPU_MS
-        self.gpu = gpu_manager
-        self.gpu_message = ""
+        self.topology = parts.topology
+        self.host = parts.host
+        self.driver: CgroupDriver = parts.host.driver
+        self.cores = parts.cores
+        self.store = parts.store
+        self.events = parts.events
+        self.pinner = parts.pinner
+        self.supervisor = parts.supervisor
+        self.supervisor.save = self._save_inference
+        self.memory = parts.memory
+        self.profile_dir = parts.profile_dir
+        self.choose_layout: LayoutChooser = parts.choose_layout
+        self.gpu = parts.gpu
+        self.gpu_message = parts.gpu_message
         self.training: dict[str, dict[str, Any]] = {}
         self._pin_state: dict[str, PinState] = {}
         self.rt_disabled = False
         self._conflicts: dict[str, str] = {}  # training job -> another manager's cpuset change, as reported
         self.slurm = SlurmTraining(self)  # training jobs a Slurm Prolog handed over (followed step by step)
+        self.k8s = K8sTraining(self)  # Kubernetes containers the NRI plugin handed over before they run
         self.capacity_tracker = CapacityTracker()  # spare capacity for schedulers (GET /v1/capacity)
 
     # ------------------------------------------------------------------------------- lifecycle
@@ -142,7 +147,7 @@ class Agent:
 
     def _restore(self) -> None:
         for name, doc in self.store.jobs("training").items():
-            if doc.get("source") == SLURM_SOURCE:  # followed again from the next pass on
+            if doc.get("source") == SLURM_SOURCE or self.k8s.pending_doc(doc):  # followed again from the next pass on
                 if doc["cpus"]:
                     self.cores.restore(name, doc["cpus"])
                 self.training[name] = doc
@@ -184,31 +189,13 @@ class Agent:
                          "it had made is undone", job=name, data={"changes": len(doc.get("changes") or [])})
 
     def _start_gpu(self) -> None:
-        if self.gpu is not None:  # injected (tests, embedding): the agent owns it like its own, stop() closes it
-            if not getattr(self.gpu, "_started", True):
-                try:
-                    self.gpu.start()
-                except Exception as exc:  # noqa: BLE001 - the agent must run on machines without GPUs
-                    self.gpu_message = f"GPU manager not started: {exc}"
-                    log.warning(self.gpu_message)
-            return
-        try:
-            from reamer.gpu.config import GpuConfig
-            from reamer.gpu.manager import GpuManager
-        except ImportError as exc:
-            self.gpu_message = f"GPU support unavailable: {exc}"
-            return
-        try:
-            self.gpu = GpuManager(GpuConfig.from_dict(self.config.gpu), str(Path(self.config.run_dir) / "gpu"),
-                                  on_event=self._gpu_event)
-            self.gpu.start()
-        except Exception as exc:  # noqa: BLE001 - the agent must run on machines without GPUs
-            self.gpu_message = f"GPU manager not started: {exc}"
-            log.warning(self.gpu_message)
-
-    def _gpu_event(self, event: dict[str, Any]) -> None:
-        data = {k: v for k, v in event.items() if k not in ("ts", "kind", "job", "message")}
-        self.events.emit(str(event.get("kind", "gpu")), str(event.get("message", "")), job=event.get("job"), data=data)
+        """Start the GPU manager the composition root built (or was given): the agent owns it, stop() closes it."""
+        if self.gpu is not None and not getattr(self.gpu, "_started", True):
+            try:
+                self.gpu.start()
+            except Exception as exc:  # noqa: BLE001 - the agent must run on machines without GPUs
+                self.gpu_message = f"GPU manager not started: {exc}"
+                log.warning(self.gpu_message)
 
     # ------------------------------------------------------------------------------- reconcile
 
@@ -235,6 +222,7 @@ class Agent:
         # FIFO, a flood or anything else of, and the API must answer meanwhile (serve.job_channel).
         reads = read_channels(requests)
         slurm_jobs = self.slurm.observe_all()  # scontrol and /proc, outside the lock too
+        self.k8s.apply(self.k8s.observe_all())  # pending Kubernetes containers that run now: pinned in place
         with self._lock:
             self._check_rt_throttling()
             ended = self._reconcile_training()
@@ -382,6 +370,8 @@ class Agent:
     def attach_training(self, req: dict[str, Any], caller: Caller = AGENT) -> dict[str, Any]:
         if req.get("slurm_job") is not None:
             return self.slurm.attach(req, caller)
+        if req.get("k8s_container") is not None:
+            return self.k8s.attach(req, caller)
         with contextlib.ExitStack() as held:  # the checked processes' pidfds, until the attach is over
             return self._attach_training(req, caller, held)
 
@@ -464,6 +454,8 @@ class Agent:
             view = self._training_view(name)
             if doc.get("source") == SLURM_SOURCE:
                 demoted = self.slurm.detach(name)
+            elif self.k8s.is_pending(name):
+                demoted = 0  # nothing pinned yet: only its cores go back
             else:
                 demoted = self.pinner.detach(name)  # undoes its record step by step: a crash meanwhile resumes it
             self.store.delete_job("training", name)
@@ -516,6 +508,8 @@ class Agent:
             slurm = self.slurm.view(doc)
             slurm["message"] = "; ".join(m for m in (message, slurm["message"]) if m)
             view.update(slurm)
+        elif doc["source"] == K8S_SOURCE:
+            view.update(self.k8s.view(doc))
         return view
 
     def list_training(self) -> list[dict[str, Any]]:
@@ -754,7 +748,8 @@ class Agent:
     def admit_inference_dry(self, req: dict[str, Any]) -> dict[str, Any]:
         """Could this node serve `rate_rps` of `model` within `slo_ms` on its free cores, and with which layout?
         Answered from cached profiles (`reamer search MODEL` fills them); nothing is measured or changed."""
-        from reamer.agent.inference import InferenceRecord, LayoutChoice, ProfileCacheChooser
+        from reamer.agent.inference import InferenceRecord
+        from reamer.search.chooser import LayoutChoice, ProfileCacheChooser
 
         with self._lock:
             cpus = self._online_free_cpus()

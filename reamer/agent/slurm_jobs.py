@@ -24,7 +24,8 @@ from reamer.host import cgroups
 from reamer.host.cgroups import CgroupDriver
 from reamer.host.changes import ChangeLog
 from reamer.host.errors import HostError
-from reamer.host.sched import ThreadGone, policy_of, set_other, set_rr, threads_of
+from reamer.host.executor import HostExecutor
+from reamer.host.sched import ThreadGone
 from reamer.host.slurm import EXTERN_STEP, SlurmStep, common_parent, job_steps, task_processes
 
 log = logging.getLogger("reamer.slurm")
@@ -100,19 +101,19 @@ def pin_steps(doc: dict[str, Any], seen: SlurmObservation, change_log: ChangeLog
         for pid in task_processes(list(step.pids), proc_root):
             if not _runs_as(pid, user):
                 continue
-            made_rr += _make_rr(pid, priority, problems)
+            made_rr += _make_rr(change_log.host, pid, priority, problems)
     return made_rr, problems
 
 
-def demote(doc: dict[str, Any], seen: SlurmObservation, proc_root: str = "/proc") -> int:
+def demote(doc: dict[str, Any], seen: SlurmObservation, host: HostExecutor, proc_root: str = "/proc") -> int:
     """Every SCHED_RR thread of the job's task processes back to SCHED_OTHER."""
     demoted = 0
     for step in seen.steps or []:
         for pid in task_processes(list(step.pids), proc_root):
-            for tid in _threads(pid):
+            for tid in _threads(host, pid):
                 try:
-                    if policy_of(tid)[0] in ("rr", "fifo"):
-                        set_other(tid)
+                    if host.policy_of(tid)[0] in ("rr", "fifo"):
+                        host.set_other(tid)
                         demoted += 1
                 except ThreadGone:
                     continue
@@ -143,27 +144,27 @@ def _runs_as(pid: int, uid: int | None) -> bool:
         return False
 
 
-def _threads(pid: int) -> list[int]:
+def _threads(host: HostExecutor, pid: int) -> list[int]:
     try:
-        return threads_of(pid)
+        return host.threads_of(pid)
     except ThreadGone:
         return []
 
 
-def _policy(tid: int) -> str:
+def _policy(host: HostExecutor, tid: int) -> str:
     try:
-        return policy_of(tid)[0]
+        return host.policy_of(tid)[0]
     except ThreadGone:
         return ""
 
 
-def _make_rr(pid: int, priority: int, problems: list[str]) -> int:
+def _make_rr(host: HostExecutor, pid: int, priority: int, problems: list[str]) -> int:
     made = 0
-    for tid in _threads(pid):
+    for tid in _threads(host, pid):
         try:
-            if policy_of(tid) == ("rr", priority):
+            if host.policy_of(tid) == ("rr", priority):
                 continue
-            set_rr(tid, priority)
+            host.set_rr(tid, priority)
             made += 1
         except ThreadGone:
             continue
@@ -183,6 +184,11 @@ class SlurmTraining:
         self.agent = agent
         self.logs: dict[str, ChangeLog] = {}
         self.last_seen: dict[str, SlurmObservation] = {}
+
+    @property
+    def host(self) -> HostExecutor:
+        """The agent's host executor (its training pinner's): every change to a Slurm job goes through it."""
+        return self.agent.pinner.host
 
     def jobs(self) -> dict[str, dict[str, Any]]:
         return {n: d for n, d in self.agent.training.items() if d.get("source") == SOURCE}
@@ -218,12 +224,12 @@ class SlurmTraining:
         demoted."""
         doc = self.agent.training[name]
         seen = self.last_seen.pop(name, None)
-        demoted = demote(doc, seen) if seen is not None else 0
+        demoted = demote(doc, seen, self.host) if seen is not None else 0
         self._forget(name)
         return demoted
 
     def demote_all(self, names: list[str]) -> int:
-        return sum(demote(self.jobs()[n], self.last_seen[n]) for n in names
+        return sum(demote(self.jobs()[n], self.last_seen[n], self.host) for n in names
                    if n in self.jobs() and n in self.last_seen)
 
     # --- the pass ---
@@ -299,8 +305,8 @@ class SlurmTraining:
         """The Slurm-specific part of a training job's view."""
         seen = self.last_seen.get(doc["name"])
         pids = sorted({p for s in (seen.steps or []) for p in s.pids if s.step != EXTERN_STEP}) if seen else []
-        threads = [tid for pid in task_processes(pids, self.agent.proc_root) for tid in _threads(pid)]
-        rr = sum(1 for tid in threads if _policy(tid) in ("rr", "fifo"))
+        threads = [tid for pid in task_processes(pids, self.agent.proc_root) for tid in _threads(self.host, pid)]
+        rr = sum(1 for tid in threads if _policy(self.host, tid) in ("rr", "fifo"))
         return {"state": doc["state"], "pids": pids, "message": doc.get("message", ""), "threads": len(threads),
                 "threads_rr": rr,
                 "steps": [{"id": step, "cgroup": cgroup} for step, cgroup in sorted(pinned_steps(doc).items())],
@@ -331,7 +337,7 @@ class SlurmTraining:
 
     def _log(self, name: str, doc: dict[str, Any]) -> ChangeLog:
         if name not in self.logs:
-            self.logs[name] = ChangeLog(self.agent.driver, self.agent._save_changes(doc), changes=doc.get("changes"))
+            self.logs[name] = ChangeLog(self.host, self.agent._save_changes(doc), changes=doc.get("changes"))
         return self.logs[name]
 
     def _forget(self, name: str) -> None:

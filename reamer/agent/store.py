@@ -15,8 +15,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
+from reamer.errors import ErrorKind
 from reamer.host.errors import ReamerError
 
 log = logging.getLogger("reamer.store")
@@ -34,6 +35,7 @@ CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, kind TEXT NOT NULL, job TEXT,
     message TEXT NOT NULL, data TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS events_by_job ON events(job, id);
+CREATE TABLE IF NOT EXISTS documents (name TEXT PRIMARY KEY, doc TEXT NOT NULL, updated_at REAL NOT NULL);
 """
 # The bytes an event takes, as retention counts them.
 _EVENT_SIZE = ("(length(CAST(kind AS BLOB)) + length(CAST(message AS BLOB)) + length(CAST(data AS BLOB)) "
@@ -44,6 +46,8 @@ _TABLES = {"training": "training_jobs", "inference": "inference_jobs"}
 
 class StoreError(ReamerError):
     """The state database cannot be opened, read or written."""
+
+    kind = ErrorKind.STORE_UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -272,6 +276,22 @@ class Store:
                          may_write=False)
         return {name: json.loads(doc) for name, doc in rows}
 
+    # --- documents (one JSON document per part that keeps state of its own: "gpu") ----------------
+
+    def put_document(self, name: str, doc: dict[str, Any]) -> None:
+        """Replace a part's document; like put_job, an update may use the disk reserve, a first write not."""
+        text = json.dumps(doc, sort_keys=True)
+        self._run(lambda db: db.execute(
+            "INSERT INTO documents(name, doc, updated_at) VALUES (?, ?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET doc=excluded.doc, updated_at=excluded.updated_at",
+            (name, text, time.time())),
+            essential=lambda db: db.execute("SELECT 1 FROM documents WHERE name=?", (name,)).fetchone() is not None)
+
+    def get_document(self, name: str) -> dict[str, Any] | None:
+        row = self._run(lambda db: db.execute("SELECT doc FROM documents WHERE name=?", (name,)).fetchone(),
+                        may_write=False)
+        return json.loads(row[0]) if row else None
+
     # --- events -------------------------------------------------------------------------------
 
     def append_event(self, ts: float, kind: str, job: str | None, message: str, data: dict[str, Any],
@@ -341,6 +361,16 @@ class Store:
             (since_id, limit)).fetchall(), may_write=False)
         return [{"id": r[0], "ts": r[1], "kind": r[2], "job": r[3], "message": r[4], "data": json.loads(r[5])}
                 for r in rows]
+
+    def last_events_of(self, kinds: Iterable[str], limit: int) -> list[dict[str, Any]]:
+        """The last `limit` events of these kinds, oldest first."""
+        kinds = sorted(kinds)
+        marks = ",".join("?" * len(kinds))
+        rows = self._run(lambda db: db.execute(
+            f"SELECT id, ts, kind, job, message, data FROM events WHERE kind IN ({marks}) ORDER BY id DESC LIMIT ?",
+            (*kinds, limit)).fetchall(), may_write=False)
+        return [{"id": r[0], "ts": r[1], "kind": r[2], "job": r[3], "message": r[4], "data": json.loads(r[5])}
+                for r in reversed(rows)]
 
     def last_event_id(self) -> int:
         # AUTOINCREMENT keeps ids monotonic across restarts even after trimming.

@@ -39,10 +39,12 @@ from reamer.host.cgroups import CgroupDriver
 from reamer.host.changes import ChangeLog
 from reamer.host.container import container_cgroup
 from reamer.host.cpulist import format_cpulist
+from reamer.errors import ErrorKind
 from reamer.host.errors import HostError
+from reamer.host.executor import HostExecutor
 from reamer.host.identity import ProcessFacts, has_exited, open_pidfd, process_facts
 from reamer.host.probe import kernel_config_option
-from reamer.host.sched import ThreadGone, policy_of, rt_throttling, set_other, set_rr
+from reamer.host.sched import ThreadGone, rt_throttling
 from reamer.host.systemd import SLICE, Systemd, systemd_booted, unit_of_cgroup
 
 log = logging.getLogger("reamer.training")
@@ -55,6 +57,8 @@ DEFAULT_USER_RT_PERCENT = 25  # training.user_rt_percent's default
 
 
 class RtThrottlingDisabled(HostError):
+    kind = ErrorKind.RT_THROTTLING_DISABLED
+
     def __init__(self) -> None:
         super().__init__(
             "RT throttling is disabled (/proc/sys/kernel/sched_rt_runtime_us is -1): a runaway SCHED_RR "
@@ -214,10 +218,14 @@ class ProcessGate:
 
 
 class TrainingPinner:
-    def __init__(self, driver: CgroupDriver, name: str, rt_runtime_us: int, proc_root: str = "/proc",
+    def __init__(self, driver: CgroupDriver | HostExecutor, name: str, rt_runtime_us: int, proc_root: str = "/proc",
                  systemd: Systemd | None = None, run_root: str = "/run",
                  user_rt_percent: int = DEFAULT_USER_RT_PERCENT) -> None:
-        self.driver = driver
+        """`driver`: the host executor every change goes through, or a bare cgroup driver (one is made)."""
+        given = driver if isinstance(driver, HostExecutor) else None
+        if given is not None:
+            driver, systemd = given.driver, systemd or given.systemd
+        self.driver: CgroupDriver = driver
         self.name = name
         self.rt_runtime_us = rt_runtime_us  # the cap: all jobs' budgets together
         self.pools = RtPools(rt_runtime_us, user_rt_percent)
@@ -226,6 +234,8 @@ class TrainingPinner:
         if systemd is None and driver.version == 2 and systemd_booted(run_root):
             systemd = Systemd()
         self.systemd = systemd  # only where systemd manages cgroup v2 (AllowedCPUs= needs v2)
+        self.host = given or HostExecutor(driver, systemd, proc_root)
+        self.host.systemd = systemd
         self.logs: dict[str, ChangeLog] = {}
         self.placements: dict[str, Placement] = {}
         self._rewrites: dict[str, int] = {}  # job -> times reamer put its cpuset back after a change
@@ -308,7 +318,7 @@ class TrainingPinner:
 
     def new_log(self, job: str, save: Callable[[list[dict[str, Any]]], None],
                 changes: list[dict[str, Any]] | None = None) -> ChangeLog:
-        change_log = ChangeLog(self.driver, save, self.systemd, changes,
+        change_log = ChangeLog(self.host, save, changes=changes,
                                ancestor_original=lambda path, job=job: self._ancestor_original(path, job))
         self.logs[job] = change_log
         return change_log
@@ -393,7 +403,7 @@ class TrainingPinner:
                                    f"reamer training job {job}")
         else:
             change_log.make_cgroup(placement.cpuset_path, CPUSET)
-            self.driver.set_cpus(placement.cpuset_path, cpus)
+            self.host.set_cpus(placement.cpuset_path, cpus)
             change_log.move(placement.cpuset_path, CPUSET, procs)
         if placement.own_cpu:
             change_log.make_cgroup(placement.cpu_path, CPU)
@@ -497,13 +507,13 @@ class TrainingPinner:
                                                              os.getpid()) is not None:
                         continue  # not the owner's to give the job's RT budget (its threads are refused below)
                     try:
-                        self.driver.add_process(placement.cpu_path, pid, controllers=(CPU,))
+                        self.host.add_process(placement.cpu_path, pid, controllers=(CPU,))
                     except ThreadGone:
                         pass
         refused = self._refused.setdefault(job, set())
         for tid in self.job_tasks(job):
             try:
-                policy, prio = policy_of(tid)
+                policy, prio = self.host.policy_of(tid)
                 facts = None
                 if not owner.is_root:  # every pass: a thread may have run a setuid program since the last one
                     facts = process_facts(tid, self.proc_root)
@@ -517,7 +527,7 @@ class TrainingPinner:
                         state.fixed += 1
                         policy = "rr"
                     else:
-                        policy = policy_of(tid)[0]
+                        policy = self.host.policy_of(tid)[0]
                 state.threads += 1
                 state.threads_rr += policy == "rr"
             except ThreadGone:
@@ -532,7 +542,7 @@ class TrainingPinner:
         if refusal is None:
             return False
         if policy in ("rr", "fifo"):
-            set_other(tid)
+            self.host.set_other(tid)
             state.demoted += 1
         if (tid, facts.start_time) not in refused:
             refused.add((tid, facts.start_time))
@@ -545,13 +555,13 @@ class TrainingPinner:
         before = facts if facts is not None else process_facts(tid, self.proc_root)
         if before.gone:
             raise ThreadGone(tid)
-        set_rr(tid, priority)
+        self.host.set_rr(tid, priority)
         after = process_facts(tid, self.proc_root)
         if after.start_time == before.start_time and (owner.is_root or
                                                       process_refusal(owner, after, os.getpid()) is None):
             return True
         try:  # its tid was reused, or it ran a setuid program, between the check and the change
-            set_other(tid)
+            self.host.set_other(tid)
         except ThreadGone:
             pass
         return False
@@ -564,7 +574,7 @@ class TrainingPinner:
             # reamer's own cgroup: put it back once; a second change means someone manages it too
             self._rewrites[job] = 1
             log.warning("cpuset of %s changed to %s; restoring %s", placement.cpuset_path, found, cpus)
-            self.driver.set_cpus(placement.cpuset_path, cpus)
+            self.host.set_cpus(placement.cpuset_path, cpus)
             return ""
         return (f"cpuset of {placement.cpuset_path!r} is {format_cpulist(found) or '(all)'}, not the job's "
                 f"{format_cpulist(cpus)}: another manager (kubelet's CPU manager, a runtime update, "
@@ -579,8 +589,8 @@ class TrainingPinner:
             left = 0
             for tid in self.job_tasks(job):
                 try:
-                    if policy_of(tid)[0] in ("rr", "fifo"):
-                        set_other(tid)
+                    if self.host.policy_of(tid)[0] in ("rr", "fifo"):
+                        self.host.set_other(tid)
                         demoted += 1
                         left += 1
                 except ThreadGone:

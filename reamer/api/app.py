@@ -23,17 +23,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from reamer.agent.errors import AdmissionRefused, Conflict, InvalidRequest, NotFound
-from reamer.agent.policy import Caller, Forbidden
+from reamer.agent.policy import Caller
 from reamer.api.server import PEER_SCOPE_KEY
 from reamer.api.schemas import (Capacity as CapacitySchema, InferenceAdmission, InferenceAdmissionRequest,
                                  TrainingAdmission, TrainingAdmissionRequest, DemoteResult, ErrorBody, Event, EventList, GpuJobRequest, GpuJobUpdate, GpuStatus, Health,
                                 InferenceJob, InferenceJobList, InferenceJobRequest, NodeInfo, TrainingJob,
                                 TrainingJobList, TrainingJobRequest)
+from reamer.errors import ErrorKind, ReamerError
 from reamer.host.access import in_group
-from reamer.host.errors import HostError, ReamerError
 
 if TYPE_CHECKING:
+    from reamer.agent.metrics import AgentMetrics
     from reamer.agent.service import Agent
 
 log = logging.getLogger("reamer.api")
@@ -59,14 +59,17 @@ def _error_body(code: str, message: str, fix: str = "", data: dict | None = None
     return {"error": {"code": code, "message": message, "fix": fix, "data": data or {}}}
 
 
-def error_response(status: int, code: str, message: str, fix: str = "", data: dict | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content=_error_body(code, message, fix, data), headers=headers)
+def error_response(kind: ErrorKind, message: str, fix: str = "", data: dict | None = None,
+                   headers: dict[str, str] | None = None, status: int | None = None) -> JSONResponse:
+    """The JSON error of `kind` (its code and status from the one table, reamer.errors.ErrorKind); `status`
+    only for an HTTP error whose status the framework chose."""
+    return JSONResponse(status_code=status or kind.status, content=_error_body(kind.code, message, fix, data),
+                        headers=headers)
 
 
-async def _send_error(send: Any, status: int, code: str, message: str, fix: str) -> None:
-    body = json.dumps(_error_body(code, message, fix)).encode()
-    await send({"type": "http.response.start", "status": status,
+async def _send_error(send: Any, kind: ErrorKind, message: str, fix: str) -> None:
+    body = json.dumps(_error_body(kind.code, message, fix)).encode()
+    await send({"type": "http.response.start", "status": kind.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
@@ -85,7 +88,7 @@ class SocketGate:
             await self.app(scope, receive, send)
             return
         if scope.get(PEER_SCOPE_KEY) is None:
-            await _send_error(send, 403, "forbidden",
+            await _send_error(send, ErrorKind.FORBIDDEN,
                               "refused by rule unix_socket_only: the agent answers only callers on its Unix "
                               "socket (it must know who calls)", "connect to the agent's socket "
                               "(reamer --socket PATH, or REAMER_SOCKET)")
@@ -125,7 +128,7 @@ class SocketGate:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send: Any) -> None:
-        await _send_error(send, 413, "body_too_large",
+        await _send_error(send, ErrorKind.BODY_TOO_LARGE,
                           f"the request body is larger than {self.max_body // 1024} KiB",
                           "send a smaller request (or raise security.max_body_kb in the agent's config)")
 
@@ -137,43 +140,16 @@ async def caller_of(request: Request) -> Caller:
     return Caller(uid=peer.uid, gid=peer.gid, pid=peer.pid, admin=in_group(peer.uid, peer.gid, admin_group))
 
 
-def _status_of(exc: ReamerError) -> tuple[int, str]:
-    """HTTP status and error code for a user-facing error."""
-    from reamer.agent.store import StoreError
-    from reamer.agent.training import RtThrottlingDisabled
-    from reamer.plan.coretable import AllocationError
-
-    if isinstance(exc, Forbidden):
-        return 403, "forbidden"
-    if isinstance(exc, NotFound):
-        return 404, "not_found"
-    if isinstance(exc, AdmissionRefused):
-        return 409, "admission_refused"
-    if isinstance(exc, Conflict):
-        return 409, "conflict"
-    if isinstance(exc, AllocationError):
-        return 409, "insufficient_cores"
-    if isinstance(exc, RtThrottlingDisabled):
-        return 409, "rt_throttling_disabled"
-    if isinstance(exc, StoreError):
-        return 503, "store_unavailable"
-    if isinstance(exc, InvalidRequest):
-        return 400, "invalid_request"
-    if type(exc).__name__ == "ContainerNotFound":
-        return 404, "container_not_found"
-    if isinstance(exc, HostError):
-        return 400, "host_refused"
-    return 400, "rejected"
-
-
-def build_app(agent: "Agent") -> FastAPI:
+def build_app(agent: "Agent", metrics: "AgentMetrics | None" = None) -> FastAPI:
+    """The API over `agent`; `metrics` is the agent's registry (the composition root builds it; made here if
+    not given)."""
     from reamer.agent.metrics import CONTENT_TYPE, AgentMetrics
 
     app = FastAPI(title="reamer agent API", version="1", description="Node agent: training pinning, CPU "
                   "inference co-location, GPU sharing. All errors: {\"error\": {\"code\", \"message\"}}. "
                   "Only callers on the agent's Unix socket are served; who may do what: the README's security "
                   "section.", responses=COMMON_ERRORS)
-    metrics = AgentMetrics(agent)
+    metrics = metrics or AgentMetrics(agent)
     app.state.agent = agent
     app.state.metrics = metrics
     security = agent.config.security
@@ -182,10 +158,9 @@ def build_app(agent: "Agent") -> FastAPI:
 
     @app.exception_handler(ReamerError)
     async def _reamer_error(_: Request, exc: ReamerError) -> JSONResponse:
-        status, code = _status_of(exc)
-        data = exc.data if isinstance(exc, (AdmissionRefused, Forbidden)) else None
+        data = exc.data if exc.kind in (ErrorKind.ADMISSION_REFUSED, ErrorKind.FORBIDDEN) else None
         message = exc.message + (f" — fix: {exc.fix}" if exc.fix else "")
-        return error_response(status, code, message, exc.fix, data)
+        return error_response(exc.kind, message, exc.fix, data)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -193,19 +168,20 @@ def build_app(agent: "Agent") -> FastAPI:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
             problems.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        return error_response(422, "invalid_request", "invalid request: " + "; ".join(problems),
+        return error_response(ErrorKind.INVALID_FIELDS, "invalid request: " + "; ".join(problems),
                               "fix the listed fields; see GET /openapi.json for the schema")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        kind = {404: ErrorKind.NOT_FOUND, 405: ErrorKind.METHOD_NOT_ALLOWED}.get(exc.status_code, ErrorKind.HTTP_ERROR)
         fix = "see GET /openapi.json for the routes" if exc.status_code in (404, 405) else ""
-        return error_response(exc.status_code, code, str(exc.detail), fix, headers=getattr(exc, "headers", None))
+        return error_response(kind, str(exc.detail), fix, headers=getattr(exc, "headers", None),
+                              status=exc.status_code)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error in an API call")
-        return error_response(500, "internal", f"internal error ({type(exc).__name__}: {exc})",
+        return error_response(ErrorKind.INTERNAL, f"internal error ({type(exc).__name__}: {exc})",
                               "see the agent log (journalctl -u reamer) and report it")
 
     # --- node ---
@@ -296,7 +272,7 @@ def build_app(agent: "Agent") -> FastAPI:
         # leaves the worker threads to the other calls; the open ones are capped all the same.
         if wait > 0 and agent.events.last_id <= since:
             if long_polls["open"] >= security.max_long_polls:
-                return error_response(429, "too_many_long_polls",
+                return error_response(ErrorKind.TOO_MANY_LONG_POLLS,
                                       f"{long_polls['open']} long-polls are open already (security.max_long_polls)",
                                       "retry later, or poll without wait")
             long_polls["open"] += 1
@@ -322,7 +298,7 @@ def build_app(agent: "Agent") -> FastAPI:
 
     @app.get("/v1/gpus/telemetry", responses=ERRORS)
     def gpu_telemetry(gpu: Optional[str] = Query(None, description="GPU index or UUID; all GPUs if absent")):
-        return _gpu_call(agent.gpu_telemetry, gpu)
+        return agent.gpu_telemetry(gpu)
 
     @app.get("/v1/gpu-jobs")
     def list_gpu_jobs():
@@ -330,41 +306,18 @@ def build_app(agent: "Agent") -> FastAPI:
 
     @app.post("/v1/gpu-jobs", status_code=201, responses=ERRORS)
     def register_gpu_job(body: GpuJobRequest, caller: Caller = Depends(caller_of)):
-        return _gpu_call(agent.gpu_register, body.model_dump(exclude_none=True), caller)
+        return agent.gpu_register(body.model_dump(exclude_none=True), caller)
 
     @app.get("/v1/gpu-jobs/{name}", responses=ERRORS)
     def get_gpu_job(name: str):
-        return _gpu_call(agent.gpu_job, name)
+        return agent.gpu_job(name)
 
     @app.patch("/v1/gpu-jobs/{name}", responses=ERRORS)
     def update_gpu_job(name: str, body: GpuJobUpdate, caller: Caller = Depends(caller_of)):
-        return _gpu_call(agent.gpu_update, name, body.model_dump(exclude_none=True), caller)
+        return agent.gpu_update(name, body.model_dump(exclude_none=True), caller)
 
     @app.delete("/v1/gpu-jobs/{name}", responses=ERRORS)
     def remove_gpu_job(name: str, caller: Caller = Depends(caller_of)):
-        return _gpu_call(agent.gpu_remove, name, caller)
+        return agent.gpu_remove(name, caller)
 
     return app
-
-
-def _gpu_status_of(exc: Exception) -> tuple[int, str] | None:
-    """HTTP status and code of a GPU-layer error (None: not one)."""
-    from reamer.gpu import errors
-
-    for cls, status, code in ((errors.UnknownJob, 404, "not_found"), (errors.UnknownGpu, 404, "unknown_gpu"),
-                              (errors.NoGpuDriver, 409, "gpu_unavailable"), (errors.LimitError, 409, "gpu_limits"),
-                              (errors.MpsError, 503, "mps_unavailable"), (errors.GpuError, 409, "gpu_refused")):
-        if isinstance(exc, cls):
-            return status, code
-    return None
-
-
-def _gpu_call(method, *args):
-    """Call an Agent GPU method; GPU-layer errors become JSON errors with a GPU-specific status and code."""
-    try:
-        return method(*args)
-    except ReamerError as exc:
-        mapped = _gpu_status_of(exc)
-        if mapped is None:
-            raise  # the app's ReamerError handler maps it
-        return error_response(mapped[0], mapped[1], exc.message + (f" — fix: {exc.fix}" if exc.fix else ""), exc.fix)

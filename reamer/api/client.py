@@ -19,7 +19,11 @@ class AgentUnreachable(ReamerError):
 
 
 class ApiError(ReamerError):
-    """The agent answered with an error: `status` (HTTP), `code` and the agent's message and fix."""
+    """The agent answered with an error: `status` (HTTP), `code` and the agent's message and fix. Both are the
+    agent's answer (its reamer.errors table, whatever its version), not this class's kind."""
+
+    status: int = 0  # type: ignore[assignment]  # an answer's, where other errors read their kind's
+    code: str = ""  # type: ignore[assignment]
 
     def __init__(self, status: int, code: str, message: str, fix: str = "", data: dict | None = None) -> None:
         super().__init__(message, fix)

@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from reamer.errors import ErrorKind
 from reamer.host.access import in_group
 from reamer.host.identity import PeerCredentials
 
@@ -54,12 +55,19 @@ class SocketLimits:
 
 @dataclass(frozen=True)
 class Refusal:
-    """A connection turned away: the HTTP status and the JSON error body."""
+    """A connection turned away: its kind (code and HTTP status, reamer.errors) and the JSON error body."""
 
-    status: int
-    code: str
+    kind: ErrorKind
     message: str
     fix: str
+
+    @property
+    def status(self) -> int:
+        return self.kind.status
+
+    @property
+    def code(self) -> str:
+        return self.kind.code
 
     def response(self) -> bytes:
         """A whole HTTP/1.1 answer that closes the connection."""
@@ -119,7 +127,7 @@ class ConnectionBook:
         if admin:
             ceiling = limits.max_connections + limits.admin_reserved_connections
             if self.total >= ceiling:
-                return Refusal(503, "over_capacity",
+                return Refusal(ErrorKind.OVER_CAPACITY,
                                f"the agent already has {self.total} connections open, admins' included "
                                "(security.max_connections + security.admin_reserved_connections)",
                                "close idle connections to the agent's socket, or raise "
@@ -127,13 +135,13 @@ class ConnectionBook:
             self.admins += 1
             return Slot(uid, True)
         if self.by_uid[uid] >= limits.max_connections_per_uid:
-            return Refusal(429, "too_many_connections",
+            return Refusal(ErrorKind.TOO_MANY_CONNECTIONS,
                            f"uid {uid} already has {self.by_uid[uid]} connections open to the agent "
                            "(security.max_connections_per_uid)",
                            "close idle connections (one keep-alive connection is enough), or ask an admin to "
                            "raise security.max_connections_per_uid")
         if self.others >= limits.max_connections:
-            return Refusal(503, "over_capacity",
+            return Refusal(ErrorKind.OVER_CAPACITY,
                            f"the agent is serving as many connections as security.max_connections allows "
                            f"({limits.max_connections}, admins aside)",
                            "retry shortly; close idle connections to the agent's socket, or raise "
@@ -153,13 +161,13 @@ class ConnectionBook:
 
 
 def header_too_large(limit: int) -> Refusal:
-    return Refusal(431, "headers_too_large",
+    return Refusal(ErrorKind.HEADERS_TOO_LARGE,
                    f"the request line and headers are larger than {limit // 1024} KiB (security.max_header_kb)",
                    "send fewer or shorter headers (or raise security.max_header_kb in the agent's config)")
 
 
 def request_timeout(seconds: float, what: str) -> Refusal:
-    return Refusal(408, "request_timeout",
+    return Refusal(ErrorKind.REQUEST_TIMEOUT,
                    f"the request's {what} did not arrive within {seconds:g} s (security.header_timeout_s)",
                    "send each request whole and at once; a client on a slow link may raise "
                    "security.header_timeout_s")

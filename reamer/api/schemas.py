@@ -15,7 +15,7 @@ MAX_PIDS = 4096  # pids in one request
 MAX_PATH = 4096  # PATH_MAX
 Pid = Annotated[int, Field(gt=0, le=PID_MAX_LIMIT)]
 
-TrainingSource = Literal["pids", "cgroup", "container", "slurm"]
+TrainingSource = Literal["pids", "cgroup", "container", "slurm", "k8s"]
 TrainingState = Literal["pending", "running", "ended"]
 InferenceKind = Literal["online", "offline"]
 InferenceState = Literal["running", "pending", "done", "failed"]
@@ -82,6 +82,8 @@ class Capacity(_Response):
     reserved_cpus: list[int]
     generation: int  # increases at every change; a capacity_changed event carries the same body
     ts: float
+    # Kubernetes node-status units: {"reamer.io/spare-cores": whole cores, "reamer.io/batch-cpu": milli-cores}
+    kubernetes: dict[str, str] = Field(default_factory=dict)
 
 
 class TrainingAdmissionRequest(_Body):
@@ -142,7 +144,8 @@ class Health(_Response):
 
 # --- training ---------------------------------------------------------------------------------
 
-_TRAINING_SOURCES = {"pids": "array", "cgroup": "string", "container": "string", "slurm_job": "integer"}
+_TRAINING_SOURCES = {"pids": "array", "cgroup": "string", "container": "string", "slurm_job": "integer",
+                     "k8s_container": "string"}
 
 
 class TrainingJobRequest(_Body):
@@ -163,6 +166,10 @@ class TrainingJobRequest(_Body):
     container: Optional[str] = Field(default=None, min_length=1, max_length=256, pattern=r"\S")
     # a Slurm job id (the Prolog's SLURM_JOB_ID): its steps' tasks are pinned as they start
     slurm_job: Optional[int] = Field(default=None, ge=1, le=2**31 - 1)
+    # a Kubernetes container the runtime is creating (reamer's NRI plugin; root and the admin group only): its
+    # cores are taken now, pending until it runs; posting the same container again returns its record
+    k8s_container: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    k8s_pod: Optional[str] = Field(default=None, max_length=320)  # "namespace/name", shown in views only
     cores: Optional[int] = Field(default=None, ge=1, le=4096)  # default: from the container's cpuset/quota, else 1
     priority: Optional[int] = Field(default=None, ge=1, le=99)  # default: config training.priority
 
@@ -170,7 +177,7 @@ class TrainingJobRequest(_Body):
     def _exactly_one_source(self) -> "TrainingJobRequest":
         given = [k for k in _TRAINING_SOURCES if getattr(self, k)]
         if len(given) != 1:
-            raise ValueError("give exactly one of pids, cgroup, container, slurm_job (got "
+            raise ValueError("give exactly one of pids, cgroup, container, slurm_job, k8s_container (got "
                              f"{', '.join(given) if given else 'none'})")
         return self
 

@@ -20,7 +20,11 @@ uvicorn's own limit_concurrency is off: it counts every connection alike, so idl
 from __future__ import annotations
 
 import asyncio
+import grp
+import os
 import socket
+import stat
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -28,9 +32,59 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # httptools
 
 from reamer.api.fairness import (ConnectionBook, Refusal, Slot, SocketLimits, header_too_large,
                                  request_timeout)
+from reamer.host.errors import ReamerError
 from reamer.host.identity import PeerCredentials, peer_credentials
 
 PEER_SCOPE_KEY = "reamer.peer"
+
+SOCKET_MODE = 0o660
+
+
+class SocketInUse(ReamerError):
+    pass
+
+
+def bind_unix_socket(path: str | Path, group: str | None = None) -> socket.socket:
+    """Listen on `path`, created 0660 from the start (umask), replacing a stale socket file."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ReamerError(f"cannot create the socket directory {path.parent}: {exc.strerror}",
+                          "pick a writable place with --socket, or run as root") from None
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise SocketInUse(f"{path} exists and is not a socket", "remove it or choose another --socket path")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # stale: nobody listens
+        else:
+            raise SocketInUse(f"another process (an agent?) already listens on {path}",
+                              "stop it first (systemctl stop reamer), or give this one another --socket")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o117)  # the socket is never group-/world-accessible beyond 0660, not even briefly
+    try:
+        sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise ReamerError(f"cannot listen on {path}: {exc.strerror}", "check the directory's permissions") from None
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, SOCKET_MODE)
+    if group is not None:
+        try:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        except KeyError:
+            sock.close()
+            path.unlink()
+            raise ReamerError(f"socket_group {group!r} is not a group on this host",
+                              f"create it (groupadd {group}) or change socket_group in the config") from None
+    sock.listen(128)
+    return sock
 
 
 class _WithPeer:

@@ -11,19 +11,16 @@ from typing import Any, Callable, Iterable, Sequence
 
 import click
 
-from reamer.host.errors import ReamerError
+from reamer.errors import EXIT_BAD_INPUT, EXIT_FAILURE, ErrorKind, ReamerError, exit_code_for_status
 
 DEFAULT_SOCKET = "/run/reamer/reamer.sock"
 OUTPUT_FORMATS = ("table", "json")
 
-EXIT_FAILURE = 1
-EXIT_BAD_INPUT = 2
-# Errors of other layers that mean "the user's input is wrong" (by name: no import of those layers here).
-BAD_INPUT_ERRORS = frozenset({"ConfigError", "UnknownModelFamily", "SpecError", "GpuConfigError", "SampleError"})
-
 
 class BadInput(ReamerError):
     """The user gave a value reamer cannot use (exit code 2)."""
+
+    kind = ErrorKind.BAD_INPUT
 
 
 @dataclass
@@ -132,13 +129,19 @@ def field(obj: Any, name: str, default: Any = None) -> Any:
 
 
 def exit_code_for(error: BaseException) -> int:
-    if isinstance(error, (BadInput, ValueError)):
+    """The exit status of a command that failed with `error`, from the one table (reamer.errors): the agent's
+    answer by the HTTP status it sent (ApiError), an error of this process by its kind."""
+    from reamer.api.client import ApiError
+
+    if isinstance(error, ValueError):
         return EXIT_BAD_INPUT
+    if isinstance(error, ApiError):
+        return exit_code_for_status(error.status)
+    if isinstance(error, ReamerError):
+        return error.kind.exit_code
     status = getattr(error, "status_code", None) or getattr(error, "status", None)
-    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 409, 423, 429):
-        return EXIT_BAD_INPUT
-    if getattr(error, "bad_input", False) or type(error).__name__ in BAD_INPUT_ERRORS:
-        return EXIT_BAD_INPUT
+    if isinstance(status, int):
+        return exit_code_for_status(status)
     return EXIT_FAILURE
 
 
@@ -147,13 +150,19 @@ def error_doc(error: BaseException, exit_code: int) -> dict:
     message, fix = (error.message, error.fix) if isinstance(error, ReamerError) else (str(error), "")
     doc: dict[str, Any] = {"message": message, "fix": fix, "exit_code": exit_code}
     for name in ("code", "status"):  # the agent's answer, when it was one (ApiError)
-        value = getattr(error, name, None)
+        value = getattr(error, name, None) if not isinstance(error, ReamerError) or _is_answer(error) else None
         if isinstance(value, (str, int)) and not isinstance(value, bool):
             doc[name] = value
     data = getattr(error, "data", None)
     if isinstance(data, dict) and data:
         doc["data"] = to_jsonable(data)
     return {"error": doc}
+
+
+def _is_answer(error: ReamerError) -> bool:
+    from reamer.api.client import ApiError
+
+    return isinstance(error, ApiError)
 
 
 def _wants_json() -> bool:
@@ -266,7 +275,9 @@ class BackendChoice(click.Choice):
     """onnxruntime | openvino, also as users write them (ORT, onnx-runtime, OpenVINO, ov)."""
 
     def __init__(self) -> None:
-        super().__init__(("onnxruntime", "openvino"))
+        from reamer.plan.layout import BACKENDS
+
+        super().__init__(BACKENDS)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         from reamer.serve.spec import canonical_backend

@@ -41,7 +41,7 @@ def daemon_overrides(socket: str | None, state_dir: str | None, reserved_cpus: s
 def daemon(ctx: click.Context, config_path: str | None, socket_path: str | None, state_dir: str | None,
            reserved_cpus: str | None, instance: str | None = None) -> None:
     """Run the agent in the foreground until SIGTERM."""
-    from reamer.agent.daemon import run_daemon
+    from reamer.node import run_daemon
     from reamer.cli.common import CliContext, checked_instance
 
     parent = ctx.find_root()

@@ -106,17 +106,13 @@ def rt_budget_us(cgroup_root: str = "/sys/fs/cgroup") -> int:
     """The training RT budget for the demo: 400 ms/s, or what the machine has left when other
     cgroups hold part of the kernel's budget (cgroup v1 RT group scheduling: top-level cgroups share
     the root's cpu.rt_runtime_us)."""
+    from reamer.host.cgroups import rt_budget_in_use
+
     cpu = Path(cgroup_root) / "cpu"
-    try:
-        root_budget = int((cpu / "cpu.rt_runtime_us").read_text())
-    except (OSError, ValueError):
+    in_use = rt_budget_in_use(cgroup_root)
+    if in_use is None:
         return DEMO_RT_RUNTIME_US  # no RT group scheduling here (cgroup v2): the value is not used
-    used = 0
-    for child in cpu.iterdir():
-        try:
-            used += int((child / "cpu.rt_runtime_us").read_text())
-        except (OSError, ValueError):
-            continue
+    root_budget, used = in_use
     free = root_budget - used - 20000  # leave a little for whoever asks next
     if free < MIN_RT_RUNTIME_US:
         raise ReamerError(f"only {max(free, 0)} us of the machine's real-time budget ({root_budget} us per second) "
@@ -226,13 +222,14 @@ def start_trainer(state: DemoState, duration_s: float) -> list[int]:
         command = [sys.executable, "-c", FALLBACK_TRAINER, str(state.trainer_report), str(ready)]
     # Start it on one CPU, as many as it will be given: the emulator sizes its work for the CPUs it
     # sees at start (duty 0.3 of one core), and the agent moves it to its own core when attached.
+    from reamer.host.sched import pin_self
     from reamer.host.topology import read_topology
 
     first_cpu = read_topology().physical_cores()[0][0]
     with open(state.workdir / "training.log", "ab") as log:
         state.trainer = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True,
-                                         preexec_fn=lambda: os.sched_setaffinity(0, {first_cpu}))
+                                         preexec_fn=lambda: pin_self([first_cpu]))
     deadline = time.monotonic() + JOB_READY_TIMEOUT_S
     while not ready.exists():
         if state.trainer.poll() is not None:
@@ -343,9 +340,9 @@ def print_status(state: DemoState, elapsed_s: float) -> LiveSample | None:
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
-    import numpy as np
+    from reamer.plan import statistics
 
-    return float(np.percentile(values, q))
+    return statistics.percentile(values, q)
 
 
 def training_summary(report_path: Path | None, phase_start: float | None) -> dict:
@@ -547,30 +544,17 @@ def stop_strays(workdir: Path) -> list[str]:
     return [f"killed {len(alive)} job process(es) that ignored SIGTERM"] if alive else []
 
 
-def demo_cgroup_dirs(cgroup_name: str, cgroup_root: str = "/sys/fs/cgroup") -> list[Path]:
-    """Our cgroup in every mounted hierarchy (v1: one per controller; v2/hybrid: unified)."""
-    root = Path(cgroup_root)
-    found = []
-    candidates = [root / cgroup_name]
-    if root.is_dir():
-        candidates += [child / cgroup_name for child in root.iterdir() if child.is_dir() and not child.is_symlink()]
-    for path in candidates:
-        if path.is_dir() and path not in found:
-            found.append(path)
-    return found
+def remove_cgroups(cgroup_name: str, cgroup_root: str = "/sys/fs/cgroup") -> list[str]:
+    """Remove the demo agent's cgroup (and what is below it) in every mounted hierarchy, through the host
+    executor; returns the problems."""
+    from reamer.host.cgroups import detect_driver
+    from reamer.host.executor import HostExecutor
 
-
-def remove_cgroups(cgroup_name: str) -> list[str]:
-    problems = []
-    for top in demo_cgroup_dirs(cgroup_name):
-        for directory in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [top]:
-            try:
-                directory.rmdir()
-            except FileNotFoundError:
-                pass
-            except OSError as error:
-                problems.append(f"cannot remove cgroup {directory}: {error.strerror}")
-    return problems
+    try:
+        host = HostExecutor(detect_driver(cgroup_root))
+    except ReamerError:
+        return []  # no cgroup hierarchy mounted: the demo made none
+    return host.remove_named_everywhere(cgroup_name)
 
 
 # ---------------------------------------------------------------------------------------------- command

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from reamer.cli import daemon_cmd, demo_cmd, gpu_cmd, infer_cmd, node_cmd, search_cmd, slurm_cmd, train_cmd
+from reamer.cli import daemon_cmd, demo_cmd, gpu_cmd, infer_cmd, node_cmd, nri_cmd, search_cmd, slurm_cmd, train_cmd
 from reamer.cli.common import (DEFAULT_SOCKET, OUTPUT_FORMATS, CliContext, ReamerGroup, add_output_option,
                                checked_instance)
 
@@ -41,7 +41,7 @@ def cli(ctx: click.Context, socket_path: str, output: str, instance: str | None 
     ctx.obj = CliContext(socket_path=socket_path, output=output, instance=instance)
 
 
-for module in (daemon_cmd, node_cmd, train_cmd, infer_cmd, search_cmd, gpu_cmd, slurm_cmd, demo_cmd):
+for module in (daemon_cmd, node_cmd, train_cmd, infer_cmd, search_cmd, gpu_cmd, slurm_cmd, nri_cmd, demo_cmd):
     module.register(cli)
 add_output_option(cli)
 

@@ -22,9 +22,6 @@ if TYPE_CHECKING:
     from reamer.search.on_cores import MeasurementRow
 
 
-BACKENDS = ("onnxruntime", "openvino")
-
-
 class BackendOrAuto(BackendChoice):
     """A backend as BackendChoice takes it, or "auto": every installed backend competes in the search."""
 

@@ -19,10 +19,9 @@ import json
 import os
 import threading
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Iterable, Literal
 
 from reamer.gpu import policies
 from reamer.gpu.config import GpuConfig
@@ -30,23 +29,11 @@ from reamer.gpu.errors import GpuError, LimitError, MpsError, NoGpuDriver, Unkno
 from reamer.gpu.eviction import EvictionResult, execute_eviction, process_alive
 from reamer.gpu.mps import MpsDaemon, ServerInfo, find_control_binary, pinned_mem_env
 from reamer.gpu.nvml import GpuInfo, GpuSample, Nvml
-from reamer.host.identity import ProcessIdentity, is_running, start_time
-
-try:  # the project's one atomic-write helper
-    from reamer.serve.spec import write_atomic
-except ImportError:  # pragma: no cover - only while serve is being written
-    def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as fh:
-            fh.write(data.encode() if isinstance(data, str) else data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+from reamer.gpu.state import JOBS_FILE, RECENT_EVENTS, GpuEvents, GpuState, JsonFileState, MemoryEvents
+from reamer.host.identity import ProcessIdentity, boot_clock, boot_id, is_running, start_seconds, start_time
 
 JobKind = Literal["training", "inference"]
 JOB_KINDS = ("training", "inference")
-JOBS_FILE = "gpu_jobs.json"
 # Complement-rule changes smaller than this many points are ignored (no restart churn from noise).
 COMPLEMENT_MIN_CHANGE_PCT = 5
 # Samples (most recent) over which the online job's activity is predicted (its peak).
@@ -58,27 +45,6 @@ FAULT_SETTLE_S = 3.0
 
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-
-def _boot_clock() -> float:
-    return time.clock_gettime(time.CLOCK_BOOTTIME)
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def process_start_boottime(pid: int) -> float | None:
-    """When `pid` started, in seconds since boot (the clock of _boot_clock), or None if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: starttime in clock ticks
 
 
 @dataclass(frozen=True)
@@ -153,15 +119,17 @@ class GpuManager:
     """NVIDIA MPS sharing for the agent. Thread-safe; every public method may be called from the API."""
 
     def __init__(self, config: GpuConfig | dict | None, run_dir: str | os.PathLike, nvml: Any | None = None,
-                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 state: GpuState | None = None, events: GpuEvents | None = None) -> None:
+        """`state` and `events`: where registrations and events go — the agent's store and event log when the
+        composition root builds it (reamer.node); `<run_dir>/gpu_jobs.json` and memory when used alone."""
         self.config = config if isinstance(config, GpuConfig) else GpuConfig.from_dict(config or {})
         self.run_dir = Path(run_dir)
         self._nvml = Nvml(nvml, history_len=self.config.history_len)
-        self._on_event = on_event
+        self._state: GpuState = state or JsonFileState(self.run_dir / JOBS_FILE)
         self._lock = threading.RLock()
         self._gpus: dict[str, _GpuRuntime] = {}
         self._jobs: dict[str, GpuJob] = {}
-        self._events: deque[dict[str, Any]] = deque(maxlen=200)
+        self._events: GpuEvents = events or MemoryEvents()
         self._threads: list[threading.Thread] = []
         self._control: str | None = None
         self._reason = "not started"
@@ -321,7 +289,7 @@ class GpuManager:
                                f"({', '.join(rt.health.reasons) or 'no sample yet'}): no new offline GPU work is "
                                "admitted", "wait until `reamer gpu status` shows it healthy, or use another GPU")
             job = GpuJob(name, rt.info.uuid, kind, limits, owner_uid=owner_uid)
-            job.issued.append(IssuedLimits(_boot_clock(), limits))
+            job.issued.append(IssuedLimits(boot_clock(), limits))
             _set_pids(job, new_pids, pid_starts, new=True)
             self._refresh_job(job)
             self._jobs[name] = job
@@ -464,7 +432,7 @@ class GpuManager:
         if limits == job.desired:
             return
         job.desired = limits
-        job.issued.append(IssuedLimits(_boot_clock(), limits))
+        job.issued.append(IssuedLimits(boot_clock(), limits))
         job.issued = job.issued[-20:]
         job.updated_at = time.time()
 
@@ -501,7 +469,7 @@ class GpuManager:
                 notes.append(f"process {pid} is not a client of this GPU's MPS server yet (CUDA not started, or "
                              "launched without reamer's env)")
                 continue
-            start = process_start_boottime(pid)
+            start = start_seconds(pid)
             version = None
             for i, issued in enumerate(job.issued):
                 # The start time is truncated to a clock tick. Within that tick the order is unknown:
@@ -569,7 +537,7 @@ class GpuManager:
                     self._complement(rt)
             self._save_jobs()
             return {"available": True, "gpus": {u: rt.health.state.value for u, rt in self._gpus.items()},
-                    "events": len(self._events)}
+                    "events": len(self._events.recent(RECENT_EVENTS))}
 
     def _refresh_servers(self, rt: _GpuRuntime) -> None:
         if rt.daemon is None or self._control is None:
@@ -777,7 +745,7 @@ class GpuManager:
                 "policies": {k: getattr(self.config.policies, k) for k in ("complement", "health", "fault_handling")},
                 "allow_oversubscription": self.config.allow_oversubscription,
                 "sample_interval_s": self.config.sample_interval_s,
-                "gpus": [], "jobs": self.jobs(), "events": list(self._events)[-20:],
+                "gpus": [], "jobs": self.jobs(), "events": self._events.recent(20),
                 "last_tick": self._last_tick,
             }
             for rt in sorted(self._gpus.values(), key=lambda r: r.info.index):
@@ -814,7 +782,7 @@ class GpuManager:
 
     def events(self) -> list[dict[str, Any]]:
         with self._lock:
-            return list(self._events)
+            return self._events.recent(RECENT_EVENTS)
 
     def collector(self) -> "GpuCollector":
         """A prometheus_client collector; register it with the agent's registry."""
@@ -837,30 +805,24 @@ class GpuManager:
 
     def _event(self, kind: str, message: str, gpu: str | None = None, job: str | None = None, **extra: Any) -> None:
         ev = {"ts": time.time(), "kind": kind, "gpu": gpu, "job": job, "message": message, **extra}
-        self._events.append(ev)
-        if self._on_event is not None:
-            try:
-                self._on_event(ev)
-            except Exception:
-                pass  # the event log is best effort; never break GPU control for it
+        try:
+            self._events.emit(ev)
+        except Exception:  # noqa: BLE001
+            pass  # the event log is best effort; never break GPU control for it
 
     # ================================================================== persistence
 
-    @property
-    def jobs_path(self) -> Path:
-        return self.run_dir / JOBS_FILE
-
     def _load_jobs(self) -> None:
-        path = self.jobs_path
-        if not path.exists():
-            return
         try:
-            data = json.loads(path.read_text())
+            data = self._state.load()
+            if data is None:
+                return
             jobs = [GpuJob.from_json(d) for d in data.get("jobs", [])]
         except (ValueError, KeyError, TypeError) as exc:
-            raise GpuError(f"cannot read GPU job registrations from {path}: {exc}",
-                           f"fix or remove {path} (jobs must then be registered again)") from None
-        if data.get("boot_id") != _boot_id():
+            where = self._state.location  # (after load: the agent's store names the old file it read)
+            raise GpuError(f"cannot read GPU job registrations from {where}: {exc}",
+                           f"fix or remove {where} (jobs must then be registered again)") from None
+        if data.get("boot_id") != boot_id():
             # Boot-clock stamps from another boot mean nothing now: the newest limits count from boot.
             for j in jobs:
                 j.issued = [IssuedLimits(0.0, j.desired)]
@@ -872,11 +834,11 @@ class GpuManager:
         if not self._started:
             return
         modes = {u: rt.previous_compute_mode for u, rt in self._gpus.items() if rt.previous_compute_mode is not None}
-        data = {"version": 1, "boot_id": _boot_id(), "jobs": [j.to_json() for j in self._jobs.values()],
+        data = {"version": 1, "boot_id": boot_id(), "jobs": [j.to_json() for j in self._jobs.values()],
                 "compute_modes": modes}
         text = json.dumps(data, indent=1, sort_keys=True)
         if text != self._last_saved:  # tick() calls this every second: write (and fsync) only changes
-            write_atomic(self.jobs_path, text)
+            self._state.save(data)
             self._last_saved = text
 
 

@@ -152,6 +152,14 @@ class CgroupDriver(ABC):
     @abstractmethod
     def processes(self, path: str, controller: str = "cpu") -> list[int]: ...
 
+    def make_dir(self, directory: Path) -> None:
+        """mkdir one cgroup directory (the kernel fills it with its control files; a fake tree fills it itself)."""
+        _make_dir(directory)
+
+    def remove_dir(self, directory: Path) -> None:
+        """rmdir one cgroup directory (a gone one is fine)."""
+        _rmdir(directory)
+
     def cgroup_of(self, pid: int) -> dict[str, str]:
         """controller -> cgroup path (relative, "" = root) of `pid`, from /proc/<pid>/cgroup."""
         try:
@@ -227,7 +235,7 @@ class CgroupV1Driver(CgroupDriver):
                 directory = self._dir(controller, level)
                 if directory.is_dir():
                     continue
-                _make_dir(directory)
+                self.make_dir(directory)
                 if controller == "cpuset":
                     # A new v1 cpuset starts empty and accepts no tasks; start from the parent's CPUs and memory.
                     parent = self._dir("cpuset", _parent(level))
@@ -247,8 +255,8 @@ class CgroupV1Driver(CgroupDriver):
                 continue
             if recursive:
                 for child in sorted((d for d in directory.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
-                    _rmdir(child)
-            _rmdir(directory)
+                    self.remove_dir(child)
+            self.remove_dir(directory)
 
     def exists(self, path: str) -> bool:
         rel = _relative(path)
@@ -280,7 +288,8 @@ class CgroupV1Driver(CgroupDriver):
             return None
         return int(_read(file))
 
-    def _children(self, controller: str, path: str) -> list[str]:
+    def children(self, controller: str, path: str) -> list[str]:
+        """Child cgroups of `path` in one controller's tree."""
         directory = self._dir(controller, path)
         prefix = f"{path}/" if path else ""
         return sorted(prefix + entry.name for entry in directory.iterdir() if entry.is_dir())
@@ -300,20 +309,20 @@ class CgroupV1Driver(CgroupDriver):
             return  # no RT group scheduling: RT tasks run in any cgroup, there is no budget to hand out
         current = self.get_rt_runtime(rel) or 0
         if us > current:
-            for ancestor, needed in self._ancestor_budgets(rel, us):
-                self._write_rt(ancestor, needed)
+            for ancestor, needed in self.ancestor_budgets(rel, us):
+                self.write_rt_exact(ancestor, needed)
         elif us == 0:
-            for child in self._children("cpu", rel):
+            for child in self.children("cpu", rel):
                 if (self.get_rt_runtime(child) or 0) > 0:
                     self.set_rt_runtime(child, 0)
-        self._write_rt(rel, us)
+        self.write_rt_exact(rel, us)
 
-    def _ancestor_budgets(self, path: str, us: int) -> list[tuple[str, int]]:
+    def ancestor_budgets(self, path: str, us: int) -> list[tuple[str, int]]:
         """Ancestors (top first) whose budget must grow so that `path` can have `us`."""
         raises: list[tuple[str, int]] = []
         child, child_need = path, us
         for ancestor in reversed(_ancestors(path)):
-            siblings = sum(self.get_rt_runtime(other) or 0 for other in self._children("cpu", ancestor) if other != child)
+            siblings = sum(self.get_rt_runtime(other) or 0 for other in self.children("cpu", ancestor) if other != child)
             have = self.get_rt_runtime(ancestor) or 0
             need = siblings + child_need
             if need > have:
@@ -321,7 +330,8 @@ class CgroupV1Driver(CgroupDriver):
             child, child_need = ancestor, max(have, need)
         return list(reversed(raises))
 
-    def _write_rt(self, path: str, us: int) -> None:
+    def write_rt_exact(self, path: str, us: int) -> None:
+        """cpu.rt_runtime_us = us on this cgroup alone (no levelling: the caller orders the writes)."""
         file = self._dir("cpu", path) / "cpu.rt_runtime_us"
         try:
             _write(file, us)
@@ -465,8 +475,11 @@ class CgroupV2Driver(CgroupDriver):
     def controllers(self, path: str = "") -> list[str]:
         return _read(self._dir(path) / "cgroup.controllers").split()
 
-    def _subtree_control(self, path: str) -> set[str]:
+    def subtree_control(self, path: str) -> set[str]:
+        """The controllers `path` enables for its children (cgroup.subtree_control)."""
         return {item.lstrip("+") for item in _read(self._dir(path) / "cgroup.subtree_control").split()}
+
+    _subtree_control = subtree_control  # the name older tests use
 
     def create(self, path: str, controllers: Sequence[str] = DEFAULT_CONTROLLERS) -> None:
         rel = _relative(path)
@@ -482,12 +495,12 @@ class CgroupV2Driver(CgroupDriver):
             )
         for level in [*_ancestors(rel), rel]:
             parent = _parent(level)
-            to_enable = [c for c in wanted if c not in self._subtree_control(parent)]
+            to_enable = [c for c in wanted if c not in self.subtree_control(parent)]
             if to_enable:
                 _write(self._dir(parent) / "cgroup.subtree_control", " ".join(f"+{c}" for c in to_enable))
             directory = self._dir(level)
             if not directory.is_dir():
-                _make_dir(directory)
+                self.make_dir(directory)
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
         rel = _relative(path)
@@ -496,8 +509,8 @@ class CgroupV2Driver(CgroupDriver):
         directory = self._dir(rel)
         if recursive and directory.is_dir():
             for child in sorted((d for d in directory.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
-                _rmdir(child)
-        _rmdir(directory)
+                self.remove_dir(child)
+        self.remove_dir(directory)
 
     def exists(self, path: str) -> bool:
         return self._dir(path).is_dir()
@@ -673,7 +686,7 @@ def enable_controller(driver: CgroupV2Driver, parent: str, controller: str, on: 
 
 
 def controller_enabled(driver: CgroupV2Driver, parent: str, controller: str) -> bool:
-    return controller in driver._subtree_control(_relative(parent))
+    return controller in driver.subtree_control(_relative(parent))
 
 
 def rt_holders(driver: CgroupDriver, path: str = "") -> list[tuple[str, int]]:
@@ -683,7 +696,7 @@ def rt_holders(driver: CgroupDriver, path: str = "") -> list[tuple[str, int]]:
         return []
     holders: list[tuple[str, int]] = []
     for level in ["", *_ancestors(_relative(path))]:
-        for child in driver._children("cpu", level):
+        for child in driver.children("cpu", level):
             budget = driver.get_rt_runtime(child) or 0
             if budget > 0 and not _relative(path).startswith(child + "/") and child != _relative(path):
                 holders.append((child, budget))
@@ -691,9 +704,40 @@ def rt_holders(driver: CgroupDriver, path: str = "") -> list[tuple[str, int]]:
 
 
 def rt_children_sum(driver: CgroupV1Driver, path: str) -> int:
-    return sum(driver.get_rt_runtime(child) or 0 for child in driver._children("cpu", _relative(path)))
+    return sum(driver.get_rt_runtime(child) or 0 for child in driver.children("cpu", _relative(path)))
 
 
 def write_rt_runtime(driver: CgroupV1Driver, path: str, us: int) -> None:
     """Exactly cpu.rt_runtime_us = us on one cgroup (no levelling: the executor orders the writes)."""
-    driver._write_rt(_relative(path), us)
+    driver.write_rt_exact(_relative(path), us)
+
+
+def cgroup_dirs_named(root: str | Path, name: str) -> list[Path]:
+    """The top-level cgroup `name` in every mounted hierarchy under `root` (v1: one per controller;
+    v2 and hybrid: the unified one), those that exist."""
+    base = Path(root)
+    found: list[Path] = []
+    candidates = [base / name]
+    if base.is_dir():
+        candidates += [child / name for child in base.iterdir() if child.is_dir() and not child.is_symlink()]
+    for path in candidates:
+        if path.is_dir() and path not in found:
+            found.append(path)
+    return found
+
+
+def rt_budget_in_use(root: str | Path = "/sys/fs/cgroup") -> tuple[int, int] | None:
+    """(the root cpu cgroup's cpu.rt_runtime_us, the sum its top-level children hold) on cgroup v1 with RT
+    group scheduling; None where there is no such budget (cgroup v2, or no RT group scheduling)."""
+    cpu = Path(root) / "cpu"
+    try:
+        root_budget = int((cpu / "cpu.rt_runtime_us").read_text())
+    except (OSError, ValueError):
+        return None
+    used = 0
+    for child in cpu.iterdir():
+        try:
+            used += int((child / "cpu.rt_runtime_us").read_text())
+        except (OSError, ValueError):
+            continue
+    return root_budget, used

@@ -1,4 +1,6 @@
-"""The one executor of reamer's changes to cgroups and systemd units.
+"""The write-ahead journal of reamer's changes that must be undone: a job's cpusets, its RT budget, the
+cgroups and scopes made for it. The changes themselves are made by the host executor
+(reamer/host/executor.py); this journal decides their order and remembers how to undo them.
 
 Each change is appended to a list and saved (through `save`, into the job's record in the agent's store)
 BEFORE it is made, with what was there before it. Undo walks the list backwards and puts back what each
@@ -16,6 +18,7 @@ from typing import Any, Callable
 from reamer.host import cgroups
 from reamer.host.cgroups import CgroupDriver, CgroupV1Driver, CgroupV2Driver
 from reamer.host.errors import HostError
+from reamer.host.executor import CpusetWrite, HostExecutor, executor_for
 from reamer.host.sched import ThreadGone
 from reamer.host.systemd import Systemd, unit_of_cgroup
 
@@ -52,14 +55,15 @@ class Change:
 class ChangeLog:
     """The changes made for one job, in order."""
 
-    def __init__(self, driver: CgroupDriver, save: Callable[[list[dict[str, Any]]], None],
+    def __init__(self, host: HostExecutor | CgroupDriver, save: Callable[[list[dict[str, Any]]], None],
                  systemd: Systemd | None = None, changes: list[dict[str, Any]] | None = None,
                  ancestor_original: Callable[[str], int | None] = lambda path: None) -> None:
-        self.driver = driver
+        self.host = executor_for(host, systemd)
+        self.driver: CgroupDriver = self.host.driver
         # What an ancestor's cpu.rt_runtime_us was before reamer raised it for ANY job (the shared ledger).
         self.ancestor_original = ancestor_original
         self.save = save
-        self.systemd = systemd
+        self.systemd = self.host.systemd
         self.changes = [Change.from_doc(doc) for doc in changes or []]
 
     def docs(self) -> list[dict[str, Any]]:
@@ -71,24 +75,28 @@ class ChangeLog:
         return change
 
     def _need_systemd(self) -> Systemd:
-        if self.systemd is None:
-            raise HostError("this change needs systemd, and reamer found none", "run on a host managed by systemd")
-        return self.systemd
+        return self.host.need_systemd()
 
     # --- changes ---
 
     def set_cpuset(self, path: str, cpus: list[int]) -> None:
-        """cpuset.cpus of a cgroup someone else made (in place); v1 children are narrowed first."""
+        """cpuset.cpus of a cgroup someone else made (in place); on v1 its children are narrowed to it too.
+        Every write is journalled first, then all are made levelled (children narrowed before the parent,
+        a parent widened before its children)."""
         text = cgroups.format_cpulist(cpus)
+        writes = []
         if self.driver.version == 1:
             for child in cgroups.cpuset_descendants(self.driver, path):
                 old = cgroups.read_cpuset_raw(self.driver, child)
                 narrowed = sorted(set(cgroups.parse_cpulist(old)) & set(cpus)) or cpus
                 if cgroups.parse_cpulist(old) != narrowed:
                     self._record(Change(CPUSET, child, CPUSET, old, cgroups.format_cpulist(narrowed)))
-                    cgroups.write_cpuset_raw(self.driver, child, cgroups.format_cpulist(narrowed))
+                    writes.append(CpusetWrite(child, cgroups.format_cpulist(narrowed)))
         change = self._record(Change(CPUSET, path, CPUSET, cgroups.read_cpuset_raw(self.driver, path), text))
-        cgroups.write_cpuset_raw(self.driver, path, change.after)
+        if not writes:
+            self.host.write_cpuset(path, change.after)
+            return
+        self.host.write_cpusets([*writes, CpusetWrite(path, change.after)])
 
     def enable_cpuset_controller(self, path: str) -> None:
         """v2: make cpuset.cpus exist on `path`: +cpuset in every ancestor's subtree_control (top first)."""
@@ -98,23 +106,22 @@ class ChangeLog:
             parent = "/".join(parts[:depth])
             if not cgroups.controller_enabled(self.driver, parent, "cpuset"):
                 self._record(Change(SUBTREE, parent, "", "", "cpuset"))
-                cgroups.enable_controller(self.driver, parent, "cpuset", True)
+                self.host.enable_controller(parent, "cpuset", True)
 
     def set_unit_cpus(self, unit: str, cgroup_path: str, cpus: list[int]) -> None:
-        systemd = self._need_systemd()
-        state = systemd.unit_state(unit)
+        state = self.host.unit_state(unit)
         if state is None:
             raise HostError(f"systemd has no unit {unit} for cgroup {cgroup_path!r}",
                             "check the job is still running (systemctl status)")
         change = self._record(Change(UNIT_CPUS, unit, cgroup_path, state.allowed_cpus, sorted(cpus),
                                      before_text=cgroups.read_cpuset_raw(self.driver, cgroup_path)))
-        systemd.set_allowed_cpus(unit, change.after)
+        self.host.set_unit_cpus(unit, change.after)
 
     def make_cgroup(self, path: str, controller: str) -> None:
         if self.driver.exists(path) and (self.driver.version == 2 or (self.driver.root / controller / path).is_dir()):
             return
         self._record(Change(MKDIR, path, controller))
-        self.driver.create(path, controllers=(controller,))
+        self.host.create_cgroup(path, controllers=(controller,))
 
     def move(self, path: str, controller: str, pids: list[int]) -> None:
         homes = {}
@@ -126,12 +133,12 @@ class ChangeLog:
         self._record(Change(MOVE, path, controller, homes=homes))
         for pid in homes:
             try:
-                self.driver.add_process(path, int(pid), controllers=(controller,))
+                self.host.add_process(path, int(pid), controllers=(controller,))
             except ThreadGone:
                 continue
 
     def start_scope(self, unit: str, scope_path: str, pids: list[int], cpus: list[int], description: str) -> None:
-        systemd = self._need_systemd()
+        self._need_systemd()
         homes = {}
         for pid in pids:
             try:
@@ -139,7 +146,7 @@ class ChangeLog:
             except ThreadGone:
                 continue
         self._record(Change(SCOPE, unit, scope_path, homes=homes, after=sorted(cpus)))
-        systemd.start_scope(unit, [int(p) for p in homes], cpus, description)
+        self.host.start_scope(unit, [int(p) for p in homes], cpus, description)
 
     def set_rt(self, path: str, us: int, original: int | None = None) -> None:
         """cpu.rt_runtime_us of the job's cpu cgroup, raising ancestors first where the budget does not fit.
@@ -147,11 +154,11 @@ class ChangeLog:
         assert isinstance(self.driver, CgroupV1Driver)
         current = self.driver.get_rt_runtime(path) or 0
         if us > current:
-            for ancestor, needed in self.driver._ancestor_budgets(cgroups._relative(path), us):
+            for ancestor, needed in self.driver.ancestor_budgets(cgroups._relative(path), us):
                 before = self.ancestor_original(ancestor)
                 self._record(Change(RT_ANCESTOR, ancestor, "cpu",
                                     self.driver.get_rt_runtime(ancestor) or 0 if before is None else before, needed))
-                cgroups.write_rt_runtime(self.driver, ancestor, needed)
+                self.host.set_rt_runtime(ancestor, needed)
         if not any(c.kind == RT and c.target == path for c in self.changes):
             self._record(Change(RT, path, "cpu", current if original is None else original, us))
         else:
@@ -159,7 +166,7 @@ class ChangeLog:
                 if change.kind == RT and change.target == path:
                     change.after = us
             self.save(self.docs())
-        cgroups.write_rt_runtime(self.driver, path, us)
+        self.host.set_rt_runtime(path, us)
         if us < current:
             self.shrink_ancestors(path)
 
@@ -173,7 +180,7 @@ class ChangeLog:
             original = self.ancestor_original(ancestor)
             floor = max(raised[ancestor] if original is None else original, cgroups.rt_children_sum(self.driver, ancestor))
             if (self.driver.get_rt_runtime(ancestor) or 0) > floor:
-                cgroups.write_rt_runtime(self.driver, ancestor, floor)
+                self.host.set_rt_runtime(ancestor, floor)
 
     # --- undo ---
 
@@ -181,7 +188,11 @@ class ChangeLog:
         """Undo every change, last first; returns the problems (undo goes on past each one)."""
         problems: list[str] = []
         for change in reversed(list(self.changes)):
+            if change not in self.changes:
+                continue  # undone with the run of cpuset writes it belongs to
             try:
+                if change.kind == CPUSET and self._undo_cpuset_run(change):
+                    continue
                 self._undo(change)
             except ThreadGone:
                 pass
@@ -192,40 +203,55 @@ class ChangeLog:
             self.save(self.docs())
         return problems
 
+    def _undo_cpuset_run(self, last: Change) -> bool:
+        """Undo `last` with the cpuset writes journalled right before it (one set_cpuset on v1: a cgroup and its
+        children) as one levelled write; False when `last` stands alone (the single-write undo handles it)."""
+        if self.driver.version != 1:  # v2 writes one cgroup per change (and an empty one needs _restore_cpuset)
+            return False
+        end = self.changes.index(last)
+        start = end
+        while start > 0 and self.changes[start - 1].kind == CPUSET:
+            start -= 1
+        run = self.changes[start:end + 1]
+        if len(run) < 2:
+            return False
+        self.host.write_cpusets([CpusetWrite(c.target, c.before) for c in reversed(run) if self.driver.exists(c.target)])
+        for change in run:
+            self.changes.remove(change)
+        self.save(self.docs())
+        return True
+
     def _undo(self, change: Change) -> None:
         if change.kind == CPUSET:
             if self.driver.exists(change.target):
                 self._restore_cpuset(change.target, change.before)
         elif change.kind == UNIT_CPUS:
-            systemd = self._need_systemd()
-            if systemd.unit_state(change.target) is not None:
-                systemd.set_allowed_cpus(change.target, change.before or [])
+            if self.host.unit_state(change.target) is not None:
+                self.host.set_unit_cpus(change.target, change.before or [])
             self._settle_unit_cpuset(change)
         elif change.kind == SUBTREE:
             try:
-                cgroups.enable_controller(self.driver, change.target, "cpuset", False)  # type: ignore[arg-type]
+                self.host.enable_controller(change.target, "cpuset", False)
             except HostError as error:  # a child uses it now (another manager): leaving it on harms nobody
                 log.info("left +cpuset on %s: %s", change.target, error.message)
         elif change.kind == MKDIR:
             if self.driver.version == 1:
-                directory = self.driver.root / change.controller / change.target
-                if directory.is_dir():
-                    cgroups._rmdir(directory)
+                self.host.remove_controller_cgroup(change.controller, change.target)
             elif self.driver.exists(change.target):
-                self.driver.remove(change.target)
+                self.host.remove_cgroup(change.target)
         elif change.kind == MOVE:
             self._move_back(change)
         elif change.kind == SCOPE:
             self._scope_back(change)
         elif change.kind == RT:
             if self.driver.exists(change.target):
-                cgroups.write_rt_runtime(self.driver, change.target, int(change.before or 0))  # type: ignore[arg-type]
+                self.host.set_rt_runtime(change.target, int(change.before or 0))
         elif change.kind == RT_ANCESTOR:
             original = self.ancestor_original(change.target)
             floor = max(int(change.before or 0) if original is None else original,
                         cgroups.rt_children_sum(self.driver, change.target))  # type: ignore[arg-type]
             if (self.driver.get_rt_runtime(change.target) or 0) > floor:
-                cgroups.write_rt_runtime(self.driver, change.target, floor)  # type: ignore[arg-type]
+                self.host.set_rt_runtime(change.target, floor)
 
     def _settle_unit_cpuset(self, change: Change, timeout: float = 5.0) -> None:
         """systemd does not write cpuset.cpus back when AllowedCPUs= goes back to empty (no restriction):
@@ -246,7 +272,7 @@ class ChangeLog:
         (ENOSPC), also on v2 where empty means "the parent's": then the parent's effective cpus are written,
         which is what the empty file gave the job (systemd meets the same refusal and leaves the file)."""
         try:
-            cgroups.write_cpuset_raw(self.driver, path, text)
+            self.host.write_cpuset(path, text)
         except HostError:
             if text.strip() or self.driver.version != 2:
                 raise
@@ -254,7 +280,7 @@ class ChangeLog:
             inherited = cgroups.read_cpuset_effective(self.driver, parent)
             log.info("cgroup %s: the kernel refuses an empty cpuset.cpus while it has tasks; wrote its parent's "
                      "cpus %s, what the empty file meant", path, cgroups.format_cpulist(inherited))
-            cgroups.write_cpuset_raw(self.driver, path, cgroups.format_cpulist(inherited))
+            self.host.write_cpuset(path, cgroups.format_cpulist(inherited))
 
     def _home(self, pid: int, homes: dict[str, str]) -> str:
         import psutil
@@ -276,15 +302,15 @@ class ChangeLog:
         for pid in self.driver.processes(change.target, change.controller):
             home = self._home(pid, change.homes)
             try:
-                self.driver.add_process(home, pid, controllers=(change.controller,))
+                self.host.add_process(home, pid, controllers=(change.controller,))
             except ThreadGone:
                 continue
             except HostError as error:  # its old cgroup is gone: the root always takes it
                 log.warning("cannot move %d back to %r (%s); moving it to the root cgroup", pid, home, error.message)
-                self.driver.add_process("", pid, controllers=(change.controller,))
+                self.host.add_process("", pid, controllers=(change.controller,))
 
     def _scope_back(self, change: Change) -> None:
-        systemd = self._need_systemd()
+        self._need_systemd()
         scope_path = change.controller
         if not self.driver.exists(scope_path):
             return
@@ -293,9 +319,9 @@ class ChangeLog:
             unit_path, unit = _owning_unit(home)
             try:
                 if unit is not None:
-                    systemd.attach_processes(unit, [pid], "/" + home[len(unit_path):].strip("/") if home != unit_path else "")
+                    self.host.attach_to_unit(unit, [pid], "/" + home[len(unit_path):].strip("/") if home != unit_path else "")
                 else:
-                    self.driver.add_process(home, pid)
+                    self.host.add_process(home, pid)
             except ThreadGone:
                 continue
             except HostError as error:
@@ -303,7 +329,7 @@ class ChangeLog:
                     continue
                 log.warning("cannot move %d back to %r through systemd (%s); writing cgroup.procs", pid, home,
                             error.message)
-                self.driver.add_process(home, pid)
+                self.host.add_process(home, pid)
 
 
 def _owning_unit(path: str) -> tuple[str, str | None]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reamer.host.cgroups import CgroupDriver, _parse_proc_cgroup, detect_driver
+from reamer.errors import ErrorKind
 from reamer.host.errors import HostError, ReamerError
 
 MIN_ID_PREFIX = 12
@@ -18,7 +19,7 @@ _RUNTIME_PREFIX = re.compile(r"^(?:docker|containerd|cri-o|crio|podman)://")
 
 
 class ContainerNotFound(ReamerError):
-    pass
+    kind = ErrorKind.CONTAINER_NOT_FOUND
 
 
 @dataclass

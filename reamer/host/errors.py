@@ -1,21 +1,19 @@
-"""Errors a user can cause or fix: each carries the problem and the fix."""
+"""Errors of the host layer a user can cause or fix: each carries the problem and the fix.
+
+ReamerError, the base of every user-facing error, and the table of their codes live in reamer.errors;
+it is imported from here too, as every layer always has.
+"""
 from __future__ import annotations
 
+from reamer.errors import ErrorKind, ReamerError
 
-class ReamerError(Exception):
-    """Base of every error reamer shows to a user: a message and, where known, the fix."""
-
-    def __init__(self, message: str, fix: str = "") -> None:
-        super().__init__(message)
-        self.message = message
-        self.fix = fix
-
-    def __str__(self) -> str:
-        return f"{self.message} — fix: {self.fix}" if self.fix else self.message
+__all__ = ["HostError", "PermissionProblem", "ReamerError"]
 
 
 class HostError(ReamerError):
     """The kernel refused or lacks something reamer needs."""
+
+    kind = ErrorKind.HOST_REFUSED
 
 
 class PermissionProblem(HostError):

@@ -11,6 +11,7 @@ import select
 import signal
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,3 +208,22 @@ def pid_max(proc_root: str | Path = "/proc") -> int:
         return int((Path(proc_root) / "sys/kernel/pid_max").read_text())
     except (OSError, ValueError):
         return DEFAULT_PID_MAX
+
+
+def boot_id(proc_root: str | Path = "/proc") -> str:
+    """/proc/sys/kernel/random/boot_id: the same string until the host reboots ("" when unreadable)."""
+    try:
+        return (Path(proc_root) / "sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def boot_clock() -> float:
+    """Seconds since boot (CLOCK_BOOTTIME: it counts suspended time too), the clock of start_seconds."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def start_seconds(pid: int, proc_root: str | Path = "/proc") -> float | None:
+    """When PID started, in seconds since boot (start_time over the clock tick), None when it does not exist."""
+    ticks = start_time(pid, proc_root)
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")

@@ -150,3 +150,9 @@ def rt_throttling(proc_root: str | Path = "/proc") -> tuple[int, int]:
             "mount procfs at /proc (or pass the right proc_root)",
         ) from None
     return runtime, period
+
+
+def pin_self(cpus: Iterable[int]) -> None:
+    """Pin the calling process to `cpus`: for a child's preexec_fn (its first code after fork), before it
+    sizes its thread pools for the CPUs it sees. Raises what os.sched_setaffinity raises."""
+    os.sched_setaffinity(0, set(cpus))

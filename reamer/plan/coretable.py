@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from reamer.errors import ErrorKind
 from reamer.host.errors import ReamerError
 from reamer.host.topology import Topology
 
 
 class AllocationError(ReamerError):
     """A training job's CPUs cannot be allocated or restored as asked."""
+
+    kind = ErrorKind.INSUFFICIENT_CORES
 
 
 class CoreTable:

@@ -22,7 +22,7 @@ LAYOUT_SYNTAX = (
     "INSTANCESxCORES[tTHREADS][sSTREAMS]:bMAXBATCH, groups joined by '+', optionally '@BACKEND' at the end, "
     "e.g. '2x1:b4' (2 instances × 1 core, max batch 4), '2x1:b4+1x2t2:b8' or '1x2s2:b4@openvino'"
 )
-LAYOUT_BACKENDS: tuple[str, ...] = ("onnxruntime", "openvino")
+BACKENDS: tuple[str, ...] = ("onnxruntime", "openvino")
 
 _GROUP = re.compile(r"^(\d{1,9})x(\d{1,9})(?:t(\d{1,9}))?(?:s(\d{1,9}))?:b(\d{1,9})$")
 # No machine has more: a layout asking for more cores than this (or than `max_cores`) is refused
@@ -64,8 +64,8 @@ class Layout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instances", tuple(self.instances))
-        if self.backend is not None and self.backend not in LAYOUT_BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r} in a layout; one of {', '.join(LAYOUT_BACKENDS)}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r} in a layout; one of {', '.join(BACKENDS)}")
         if self.backend == "onnxruntime" and any(s.streams > 1 for s in self.instances):
             raise ValueError("streams are OpenVINO's: an onnxruntime instance runs one stream")
 
@@ -109,8 +109,8 @@ def parse_layout(text: str, max_cores: int | None = None) -> Layout:
     limit = MAX_LAYOUT_CORES if max_cores is None else min(max_cores, MAX_LAYOUT_CORES)
     body, at, backend_text = text.partition("@")
     backend = backend_text.strip().lower() if at else None
-    if at and backend not in LAYOUT_BACKENDS:
-        raise _syntax_error(text, f"backend {backend_text.strip()!r} is unknown (one of {', '.join(LAYOUT_BACKENDS)}; "
+    if at and backend not in BACKENDS:
+        raise _syntax_error(text, f"backend {backend_text.strip()!r} is unknown (one of {', '.join(BACKENDS)}; "
                                   "one backend per layout)")
     if not body.strip():
         raise _syntax_error(text, "it has no instances")

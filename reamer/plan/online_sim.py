@@ -6,8 +6,8 @@ run, so at equal throughput a layout of shorter batches (smaller ones, or more c
 more of the SLO for waiting. `sustained_rps` replays the online job's batching (reamer.serve.runtime.batcher) on
 simulated arrivals: one queue; an idle instance takes the oldest requests up to its max batch, waiting for a
 fuller batch at most min(0.2 × SLO, its batch latency) after the oldest arrived, and only while requests
-arrive densely enough for waiting to fill it. It finds the highest rate whose p99 (nearest rank) stays
-within the SLO. The figures come from the search's own measurements; the front door's cpu and other
+arrive densely enough for waiting to fill it. It finds the highest rate whose p99 (reamer.plan.statistics,
+as the job's /stats computes it) stays within the SLO. The figures come from the search's own measurements; the front door's cpu and other
 processes are left out for every layout alike (on a node the front door has cpus of its own).
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 
 from reamer.plan.layout import Layout
 from reamer.plan.partition import NEAR_TIE, Candidate, ProfilePoint, near_ties
+from reamer.plan.statistics import p99
 
 MAX_WAIT_SHARE_OF_SLO = 0.2  # an idle instance waits for a fuller batch at most this share of the SLO (batcher)
 UNKNOWN_FIXED_SHARE = 0.2  # a batch's fixed cost, as a share of a full batch's latency, where no point says
@@ -38,13 +39,6 @@ class SimInstance:
     @property
     def capacity_rps(self) -> float:
         return self.max_batch / self.latency_s[-1]
-
-
-def _p99_nearest_rank(values: Sequence[float]) -> float:
-    if not values:
-        return math.inf
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 def simulate_p99_s(instances: Sequence[SimInstance], rate_rps: float, slo_s: float, *, requests: int = 3000,
@@ -84,7 +78,8 @@ def simulate_p99_s(instances: Sequence[SimInstance], rate_rps: float, slo_s: flo
         head = end
         heapq.heappush(heap, (finish, i))
     skip = requests // 10
-    return _p99_nearest_rank([d - a for d, a in zip(done[skip:], arrivals[skip:])])
+    latencies = [d - a for d, a in zip(done[skip:], arrivals[skip:])]
+    return p99(latencies) if latencies else math.inf
 
 
 def sustained_rps(instances: Sequence[SimInstance], slo_ms: float, *, requests: int = 3000, seed: int = 0,

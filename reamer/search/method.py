@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from reamer.plan.layout import InstanceShape, Layout, count_layouts
+from reamer.plan.layout import BACKENDS, InstanceShape, Layout, count_layouts
 from reamer.plan.partition import Candidate, NoFeasibleLayout, ProfilePoint, best_partitions, usable_points
 
 MeasureFn = Callable[[int, int], ProfilePoint]
@@ -755,7 +755,7 @@ def quick_search_backends(
     verify: VerifyFn | None = None,
     progress: ProgressFn | None = None,
     *,
-    backends: Sequence[str] = ("onnxruntime", "openvino"),
+    backends: Sequence[str] = BACKENDS,
     streams_backends: Sequence[str] = ("openvino",),
     drop_margin: float = 0.15,
     tie_margin: float = 0.05,

@@ -2,7 +2,7 @@
 
 Single-instance points come from the profile cache (key `model_key(model, backend)`) when it has
 them; only the missing ones are measured, and those are stored back. Layouts are verified with all
-instances running together (plan.search), and the baseline — one instance on every core at the
+instances running together (reamer.search.method), and the baseline — one instance on every core at the
 largest batch — is run too, so the result can say what the search gained over it.
 
 Every measurement runs on `cpus` only: the profiler pins each worker process to its slice of them
@@ -23,6 +23,7 @@ from reamer.plan.admission import batch_latency_target_ms
 from reamer.plan.layout import InstanceShape, Layout, count_layouts, format_layout, parse_layout
 from reamer.plan.online_sim import rank_by_sustained
 from reamer.plan.partition import NEAR_TIE, Candidate, NoFeasibleLayout, ProfilePoint, near_ties
+from reamer.search.backends import AUTO, installed_backends
 from reamer.search.method import (BackendScreen, SearchResult, count_backend_layouts, exhaustive_search,
                                 plan_from_profile, quick_search_backends)
 from reamer.serve.runtime.batchability import check_batchability
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("reamer.layout_search")
 
 ProgressFn = Callable[[int, int, str], None]
-AUTO = "auto"  # the backend is a search dimension: every installed backend competes
 # The quick search's wall-clock budget unless the caller gives one (issue 14: ≤ 2 min per model), with
 # room for the last run's overrun: a run is started when its expected time fits, and runs take longer
 # than expected on a loaded machine (a 2-instance layout at batch 32 ran 24 s against 13 s expected here).
@@ -88,7 +88,7 @@ class MeasurementRow:
 
 @dataclass
 class LayoutSearchOutcome:
-    result: SearchResult  # what plan.search returned (or a plan from the points, when the budget ran out)
+    result: SearchResult  # what reamer.search.method returned (or a plan from the points, when the budget ran out)
     best: Candidate | None  # the fastest layout meeting the SLO, measured where possible; None: none does
     candidates: list[Candidate]  # feasible first, measured before predicted, fastest first (baseline included)
     rows: list[MeasurementRow]  # every point and layout run, in order (cached points too, marked)
@@ -353,15 +353,6 @@ def _plan_from_points(points: list[ProfilePoint], n_cores: int, slo_ms: float | 
     except NoFeasibleLayout as exc:
         best, note = None, f"{why}; {exc.message}"
     return SearchResult(best, [best] if best else [], runs, space, points, note=note)
-
-
-def installed_backends() -> list[str]:
-    """The backends whose runtime is importable here, in reamer's order of preference."""
-    import importlib.util
-
-    from reamer.serve.backends import BACKENDS
-
-    return [b for b in BACKENDS if importlib.util.find_spec(b) is not None]
 
 
 def resolve_backends(backend: str) -> list[str]:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from reamer.host.errors import ReamerError
+from reamer.plan.layout import BACKENDS  # the one list of backends
 from reamer.serve.model_types import CUSTOM_OP_LIBRARIES_ENV, custom_op_libraries, extensions_library
 from reamer.serve.spec import DEFAULT_PRECISION, PRECISION_FIX, PRECISIONS
 from reamer.serve.protocol.tensors import (BadBytesTensor, TensorInfo, UnsupportedDatatype, as_text_array, numpy_to_v2,
@@ -33,9 +34,6 @@ from reamer.serve.protocol.tensors import (BadBytesTensor, TensorInfo, Unsupport
 __all__ = ["BACKENDS", "CUSTOM_OP_LIBRARIES_ENV", "DEFAULT_PRECISION", "PRECISIONS", "Backend", "BackendError",
            "TensorInfo", "UnservableModel", "check_precision", "compute_precision", "custom_op_libraries",
            "effective_precision", "extensions_library", "open_backend", "sample_inputs"]
-
-BACKENDS: tuple[str, ...] = ("onnxruntime", "openvino")
-
 
 class BackendError(ReamerError):
     """A backend cannot be opened, or a request does not fit the model."""

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from reamer.errors import ErrorKind
 from reamer.host.errors import ReamerError
 from reamer.serve.protocol.tensors import TensorInfo, onnx_to_v2
 
@@ -31,6 +32,8 @@ IR_VERSION = 8  # the lowest IR that carries opset 17; older runtimes read it to
 
 class UnknownModelFamily(ReamerError):
     """A model family name that reamer cannot build."""
+
+    kind = ErrorKind.BAD_INPUT
 
 
 @dataclass

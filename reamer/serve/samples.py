@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from reamer.errors import ErrorKind
 from reamer.host.errors import ReamerError
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ DEFAULT_DYNAMIC_DIM = 16
 
 class SampleError(ReamerError):
     """Shapes or sample data that do not fit the model (a user's mistake: the API answers 400)."""
+
+    kind = ErrorKind.BAD_INPUT
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from reamer.errors import ErrorKind
 from reamer.host.errors import ReamerError
+from reamer.plan.layout import BACKENDS  # the one list of backends
 
 JobKind = Literal["online", "offline"]
 SchedPolicy = Literal["other", "idle"]
 JobState = Literal["starting", "ready", "running", "done", "failed"]
 
-BACKENDS = ("onnxruntime", "openvino")
 # other names users type for them (case and "-"/"_" do not matter)
 BACKEND_ALIASES = {"ort": "onnxruntime", "onnx": "onnxruntime", "onnxruntime": "onnxruntime",
                    "openvino": "openvino", "ov": "openvino", "openvinoruntime": "openvino"}
@@ -57,6 +58,8 @@ _TEMP_MARK = ".tmp-"
 
 class SpecError(ReamerError):
     """A job spec file is missing, unreadable or inconsistent."""
+
+    kind = ErrorKind.BAD_INPUT
 
 
 def static_batch_for(max_batch: int) -> int | None:

@@ -85,7 +85,7 @@ class KServeGrpc:
               variant: str) -> dict[str, np.ndarray]:
         import grpc
 
-        from reamer.serve.doors.grpc import CONTENTS_FIELD
+        from reamer.serve.protocol.grpc_codec import CONTENTS_FIELD
         from reamer.serve.doors.grpc_v2 import messages as pb
         from reamer.serve.protocol.tensors import v2_to_numpy
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the bench needs two cpus (front door and instance)")
 def test_bench_measures_the_exported_bert_in_json_and_binary(models_dir, tmp_path):
     done = subprocess.run(
-        [sys.executable, "bench/serving_overhead.py", "--models", "exported:bert", "--online-only",
+        [sys.executable, "-m", "bench.serving_overhead", "--models", "exported:bert", "--online-only",
          "--encodings", "binary,json", "--trials", "1", "--online-requests", "5", "--seq", "32",
          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "REAMER_TEST_MODELS": str(models_dir)})

@@ -202,7 +202,7 @@ def kill_jobs_under(run_dir: Path) -> None:
 
 
 class Daemon:
-    """`python -m reamer.agent.daemon` on a temp socket, state dir and unique cgroup name."""
+    """`python -m reamer.node` on a temp socket, state dir and unique cgroup name."""
 
     def __init__(self, base: Path, cgroup_name: str, **config: Any) -> None:
         self.base = base
@@ -231,7 +231,7 @@ class Daemon:
     def start(self, wait: bool = True, env: dict[str, str] | None = None) -> "Daemon":
         self.config_path.write_text(yaml.safe_dump(self.config))
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "reamer.agent.daemon", "--config", str(self.config_path)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "reamer.node", "--config", str(self.config_path)],
                                      stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})})
         log.close()
         if wait:

@@ -61,7 +61,7 @@ def test_file_problems(tmp_path):
 def test_daemon_with_a_bad_config_prints_no_traceback(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("log_levle: debug\n")
-    result = subprocess.run([sys.executable, "-m", "reamer.agent.daemon", "--config", str(path)],
+    result = subprocess.run([sys.executable, "-m", "reamer.node", "--config", str(path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "unknown config key 'log_levle'" in result.stderr and "fix:" in result.stderr

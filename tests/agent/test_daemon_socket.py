@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from reamer.agent.daemon import bind_unix_socket
+from reamer.api.server import bind_unix_socket
 from reamer.host.errors import ReamerError
 
 

@@ -3,8 +3,9 @@ a job at the other (ONNX Runtime's serve both: it computes f32 at either), and t
 precision into the job spec the agent writes."""
 from __future__ import annotations
 
-from reamer.agent.inference import InferenceRecord, InferenceSupervisor, ProfileCacheChooser, choose_for
+from reamer.agent.inference import InferenceRecord, InferenceSupervisor, choose_for
 from reamer.plan.partition import ProfilePoint
+from reamer.search.chooser import ProfileCacheChooser
 from reamer.serve import models
 from reamer.serve.measure.profile_cache import ProfileCache, model_key
 

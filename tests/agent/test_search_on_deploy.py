@@ -11,9 +11,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from reamer.agent.inference import InferenceRecord, ProfileCacheChooser, SearchOnDeploy, choose_for
+from reamer.agent.inference import InferenceRecord, choose_for
 from reamer.api.client import ApiError
 from reamer.plan.layout import parse_layout
+from reamer.search.chooser import LayoutRequest, ProfileCacheChooser, SearchOnDeploy
 from reamer.serve.measure.profile_cache import ProfileCache, model_key
 from tests.agent.conftest import needs_rt_host
 
@@ -57,7 +58,7 @@ class WorkerWatch:
             for proc in children:
                 try:
                     cmd = proc.cmdline()
-                    if "reamer.serve.measure.profiler" not in cmd:
+                    if "reamer.serve.measure.profile_worker" not in cmd:
                         continue
                     self.configured[proc.pid] = json.loads(cmd[-1])["cpus"]
                     self.affinity.setdefault(proc.pid, set()).add(tuple(sorted(proc.cpu_affinity())))
@@ -156,35 +157,20 @@ def test_the_search_keeps_to_the_jobs_max_batch_then_plans_from_the_cache(tmp_pa
 def test_a_budget_too_short_to_measure_refuses_a_rate_and_has_no_opinion_without_one(tmp_path, tiny_model):
     chooser = chooser_for(tmp_path, budget_s=1e-9)
     cpu = [max(os.sched_getaffinity(0))]
-    refused = chooser(tiny_model, "onnxruntime", cpu, 1000.0, 5.0)
+    refused = chooser(LayoutRequest(tiny_model, "onnxruntime", cpu, 1000.0, 5.0))
     assert not refused.accepted and refused.achievable_rps == 0.0 and "search_budget_s" in refused.reason
-    assert chooser(tiny_model, "onnxruntime", cpu, 1000.0, None) is None
+    assert chooser(LayoutRequest(tiny_model, "onnxruntime", cpu, 1000.0, None)) is None
     assert not list((tmp_path / "profiles").glob("*.json"))
 
 
-def test_an_external_chooser_is_asked_without_max_batch(tiny_model):
+def test_an_external_chooser_is_asked_the_whole_job_in_one_request(tiny_model):
     asked = []
 
-    def external(model, backend, cpus, slo_ms, rate_rps):
-        asked.append((model, backend, cpus, slo_ms, rate_rps))
-
-    rec = InferenceRecord(name="web", model=tiny_model, kind="online", backend="onnxruntime", slo_ms=10.0,
-                          rate_rps=3.0, max_batch=4)
-    assert choose_for(external, rec, [1]) is None
-    assert asked == [(tiny_model, "onnxruntime", [1], 10.0, 3.0)]
-
-
-def test_an_external_chooser_gets_the_keywords_it_takes(tiny_model):
-    asked = []
-
-    def wants_precision(model, backend, cpus, slo_ms, rate_rps, precision="f32"):
-        asked.append(precision)
-
-    def wants_everything(model, backend, cpus, slo_ms, rate_rps, **job):
-        asked.append(sorted(job))
+    def external(request: LayoutRequest):
+        asked.append(request)
 
     rec = InferenceRecord(name="web", model=tiny_model, kind="online", backend="openvino", slo_ms=10.0,
                           rate_rps=3.0, max_batch=4, precision="bf16")
-    choose_for(wants_precision, rec, [1])
-    choose_for(wants_everything, rec, [1])
-    assert asked == ["bf16", ["max_batch", "precision", "samples"]]
+    assert choose_for(external, rec, [1]) is None
+    assert asked == [LayoutRequest(tiny_model, "openvino", [1], 10.0, 3.0, max_batch=4, samples=rec.samples(),
+                                   precision="bf16")]

@@ -15,6 +15,7 @@ from reamer.agent.training import OWN, IN_PLACE, RtThrottlingDisabled, TrainingP
 from reamer.host.cgroups import detect_driver
 from reamer.host.changes import ChangeLog
 from reamer.host.errors import HostError
+from reamer.node import build_agent
 from tests.agent.conftest import TEST_RT_RUNTIME_US, all_rr, cgroup_path, cleanup_cgroups, needs_rt_host, none_rt
 
 pytestmark = [needs_rt_host, pytest.mark.root]
@@ -190,7 +191,7 @@ def test_agent_gives_the_budget_back_on_clean_stop_and_takes_it_again(tmp_path, 
 
     trainer = trainer_factory(threads=2)
     move_into(job_cgroup, trainer.pid)
-    agent = service.Agent(agent_config(tmp_path, cgroup_name))
+    agent = build_agent(agent_config(tmp_path, cgroup_name))
     agent.start(run_loop=False)
     try:
         agent.attach_training({"name": "t", "cgroup": job_cgroup, "cores": 1})
@@ -199,7 +200,7 @@ def test_agent_gives_the_budget_back_on_clean_stop_and_takes_it_again(tmp_path, 
         agent.stop()
     assert none_rt(trainer.pid) and rt(job_cgroup) == 0, "a stopped agent holds no RT budget"
     assert cpus_text(job_cgroup) == "1", "the pinning itself stays"
-    agent = service.Agent(agent_config(tmp_path, cgroup_name))
+    agent = build_agent(agent_config(tmp_path, cgroup_name))
     agent.start(run_loop=False)
     try:
         assert all_rr(trainer.pid) and rt(job_cgroup) == PRIVILEGED_POOL
@@ -217,7 +218,7 @@ def test_attach_interrupted_by_a_crash_is_undone_by_the_next_agent(tmp_path, cgr
     trainer = trainer_factory(threads=1)
     move_into(job_cgroup, trainer.pid)
     cpus_before = cpus_text(job_cgroup)
-    agent = service.Agent(agent_config(tmp_path, cgroup_name))
+    agent = build_agent(agent_config(tmp_path, cgroup_name))
     agent.start(run_loop=False)
 
     class Crash(BaseException):
@@ -234,7 +235,7 @@ def test_attach_interrupted_by_a_crash_is_undone_by_the_next_agent(tmp_path, cgr
     agent.store.close()
     assert cpus_text(job_cgroup) == "1" and rt(job_cgroup) == PRIVILEGED_POOL
     monkeypatch.undo()
-    agent = service.Agent(agent_config(tmp_path, cgroup_name))
+    agent = build_agent(agent_config(tmp_path, cgroup_name))
     agent.start(run_loop=False)
     try:
         assert cpus_text(job_cgroup) == cpus_before and rt(job_cgroup) == 0
@@ -251,7 +252,7 @@ def test_another_manager_changing_the_cpuset_is_reported_not_fought(tmp_path, cg
 
     trainer = trainer_factory(threads=1)
     move_into(job_cgroup, trainer.pid)
-    agent = service.Agent(agent_config(tmp_path, cgroup_name))
+    agent = build_agent(agent_config(tmp_path, cgroup_name))
     agent.start(run_loop=False)
     try:
         agent.attach_training({"name": "k", "cgroup": job_cgroup, "cores": 1})
@@ -282,7 +283,7 @@ def test_agent_demotes_everything_when_rt_throttling_is_turned_off(tmp_path, cgr
                                                                     monkeypatch):
     from reamer.agent import service
 
-    agent = service.Agent(agent_config(tmp_path, cgroup_name))
+    agent = build_agent(agent_config(tmp_path, cgroup_name))
     try:
         agent.start(run_loop=False)
         trainer = trainer_factory(threads=2)

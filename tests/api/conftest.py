@@ -4,9 +4,9 @@ from __future__ import annotations
 from tests.agent.conftest import Daemon, daemon, daemon_factory, shared_daemon, trainer_factory  # noqa: F401
 
 
-def refuse_all(model, backend, cpus, slo_ms, rate_rps):
+def refuse_all(request):
     """A layout chooser (config inference.layout_chooser) that finds 12.5 rps is all the free cores carry."""
-    from reamer.agent.inference import LayoutChoice
+    from reamer.search.chooser import LayoutChoice
 
-    return LayoutChoice("1x1:b1", accepted=rate_rps is None or rate_rps <= 12.5, achievable_rps=12.5,
-                        reason="measured profile")
+    rate = request.rate_rps
+    return LayoutChoice("1x1:b1", accepted=rate is None or rate <= 12.5, achievable_rps=12.5, reason="measured profile")

@@ -116,7 +116,7 @@ def test_second_daemon_on_the_same_socket_is_refused(daemon):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "reamer.agent.daemon", "--config", str(daemon.config_path)],
+    result = subprocess.run([sys.executable, "-m", "reamer.node", "--config", str(daemon.config_path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "already listens" in result.stderr and "Traceback" not in result.stderr
     assert daemon.client.health()["status"] == "ok"

@@ -69,12 +69,11 @@ class ServedAgent:
         self.procs: list[subprocess.Popen] = []
 
     def start(self) -> "ServedAgent":
-        from reamer.agent.daemon import bind_unix_socket
-        from reamer.agent.service import Agent
         from reamer.api.app import build_app
-        from reamer.api.server import make_server
+        from reamer.api.server import bind_unix_socket, make_server
+        from reamer.node import build_agent
 
-        self.agent = Agent(self.config, gpu_manager=self.gpu_manager)
+        self.agent = build_agent(self.config, gpu_manager=self.gpu_manager)
         with pytest.MonkeyPatch.context() as mp:
             if self.nvml is not None:  # the manager imports pynvml when it opens NVML (during start)
                 mp.setitem(sys.modules, "pynvml", self.nvml)
@@ -283,8 +282,7 @@ def test_register_launch_update_restart_remove(gpu_node):
 def test_oversubscription_is_refused_with_the_fix_and_nothing_half_applied(gpu_node):
     client = gpu_node.client
     client.register_gpu_job({"name": "train-a", "gpu": "0", "sm_percent": 60, "mem_limit_mb": 10000})
-    jobs_file = gpu_node.base / "run" / "gpu" / "gpu_jobs.json"
-    before_file = jobs_file.read_text()
+    before_doc = gpu_node.agent.store.get_document("gpu")  # the registrations, in the agent's store
     since = client.events(since=0).last_id
 
     with pytest.raises(ApiError) as err:
@@ -306,11 +304,11 @@ def test_oversubscription_is_refused_with_the_fix_and_nothing_half_applied(gpu_n
     assert job(client, "train-a")["desired"] == {"sm_percent": 60, "mem_limit_mb": 10000}
     client.remove_gpu_job("other")
 
-    # Nothing of the refused requests was applied: no job, no budget, no file change, no event.
+    # Nothing of the refused requests was applied: no job, no budget, no stored change, no event.
     status = client.gpus().model_dump()
     assert [j["name"] for j in status["jobs"]] == ["train-a"]
     assert status["gpus"][0]["sm_percent_desired_total"] == 60 and status["gpus"][0]["jobs"] == ["train-a"]
-    assert json.loads(jobs_file.read_text())["jobs"] == json.loads(before_file)["jobs"]
+    assert gpu_node.agent.store.get_document("gpu")["jobs"] == before_doc["jobs"]
     registered = [ev.job for ev in client.events(since=since).events if ev.kind == "gpu_job_registered"]
     assert registered == ["other"]
 

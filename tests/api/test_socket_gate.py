@@ -21,6 +21,7 @@ class _Untouchable:
     def __init__(self) -> None:
         self.config = SimpleNamespace(security=SecurityConfig(max_body_kb=1))
         self.on_reconcile: list = []  # the metrics collector hooks in when the app is built
+        self.gpu = None  # ... and registers the GPU's collector, when there is one
 
     def __getattr__(self, name: str):
         raise AssertionError(f"the request reached the agent ({name})")

@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import mlserver_peer, peers, search_quality
+from tests.bench.test_search_quality_smoke import CALIBRATION
 
-import mlserver_peer  # noqa: E402
-import peers  # noqa: E402
-import search_quality  # noqa: E402
-from tests.bench.test_search_quality_smoke import CALIBRATION  # noqa: E402
-
-from reamer.plan.layout import parse_layout  # noqa: E402
+from reamer.plan.layout import parse_layout
 
 
 def test_auto_study_scores_picks_on_both_backends(tmp_path):

@@ -34,7 +34,7 @@ def test_quick_run_measures_every_strategy(tmp_path):
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# results\n\nkept by other benches\n")
     proc = subprocess.run(
-        [sys.executable, "bench/colocation.py", "--quick", "--duration", "2", "--out", str(tmp_path / "out"),
+        [sys.executable, "-m", "bench.colocation", "--quick", "--duration", "2", "--out", str(tmp_path / "out"),
          "--results-md", str(results_md)],
         cwd=ROOT, capture_output=True, text=True, timeout=280,
     )

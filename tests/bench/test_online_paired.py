@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.online_paired import (SECTION, Climb, climb_ladder, ladder, paired_ratio, read_climbs, render,
+                                 turns, write_section)
+from bench.online_peers import step_from
 
-from online_paired import (SECTION, Climb, climb_ladder, ladder, paired_ratio, read_climbs, render,  # noqa: E402
-                           turns, write_section)
-from online_peers import step_from  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SLO_MS = 1000.0
 
@@ -157,7 +156,7 @@ def test_the_section_renders_each_round_and_is_replaced_in_place(tmp_path):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the bench gives every contender two cpus")
 def test_quick_run_on_the_tiny_model(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "bench/online_paired.py", "--quick", "--models", "tiny", "--slos", "1000",
+        [sys.executable, "-m", "bench.online_paired", "--quick", "--models", "tiny", "--slos", "1000",
          "--max-rate", "60", "--search-budget", "15", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

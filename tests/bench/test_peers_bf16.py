@@ -2,12 +2,7 @@
 precision, rendered from a run's JSON beside the f32 comparison."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import peers  # noqa: E402
+from bench import peers
 
 
 def _row(**extra) -> dict:

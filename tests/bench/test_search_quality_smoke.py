@@ -2,16 +2,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import results_md  # noqa: E402
-import search_quality  # noqa: E402
+from bench import harness
+from bench import search_quality
 
 # A small calibration with the shape bench/search_calibration.py writes (1- and 2-core points, contention).
 CALIBRATION = {"models": {"m": {
@@ -43,21 +38,21 @@ def test_quick_study_writes_json_and_its_section(tmp_path):
     text = md.read_text()
     assert text.count(search_quality.SECTION) == 1 and text.count(search_quality.SUBSECTION) == 1
     assert "## Other bench\n\nkept" in text and "<!-- bench:x:begin -->\n## X\nmarked" in text
-    body = results_md.read_section(md, search_quality.SUBSECTION)
+    body = harness.read_section(md, search_quality.SUBSECTION)
     assert "| m | 16 |" in body and "Real 2-core check: skipped" in body
 
 
 def test_replace_section_keeps_other_sections(tmp_path):
     md = tmp_path / "R.md"
     md.write_text("# t\n\n## A\n\nold a\n\n### A1\n\nsub\n\n## B\n\n```\n## not a heading\n```\nb\n")
-    results_md.replace_section(md, "## A", "new a")
+    harness.replace_section(md, "## A", "new a")
     assert md.read_text() == "# t\n\n## A\n\nnew a\n\n## B\n\n```\n## not a heading\n```\nb\n"
-    results_md.replace_section(md, "## B", "new b")
-    assert results_md.read_section(md, "## B") == "new b"
-    results_md.replace_section(md, "### C1", "c1", parent="## C")
-    results_md.replace_section(md, "### A2", "a2", parent="## A")
-    assert results_md.read_section(md, "## A") == "new a\n\n### A2\n\na2"
-    assert results_md.read_section(md, "## C") == "### C1\n\nc1"
-    assert results_md.read_section(md, "## missing") is None
+    harness.replace_section(md, "## B", "new b")
+    assert harness.read_section(md, "## B") == "new b"
+    harness.replace_section(md, "### C1", "c1", parent="## C")
+    harness.replace_section(md, "### A2", "a2", parent="## A")
+    assert harness.read_section(md, "## A") == "new a\n\n### A2\n\na2"
+    assert harness.read_section(md, "## C") == "### C1\n\nc1"
+    assert harness.read_section(md, "## missing") is None
     with pytest.raises(ValueError, match="heading"):
-        results_md.replace_section(md, "A", "x")
+        harness.replace_section(md, "A", "x")

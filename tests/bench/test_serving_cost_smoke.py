@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the bench puts one instance on each of two cpus")
 def test_serving_cost_accounts_the_front_door_the_instances_and_the_client(tmp_path):
     out = tmp_path / "cost.json"
-    proc = subprocess.run([sys.executable, "bench/serving_cost.py", "--model", "tiny", "--rate", "100",
+    proc = subprocess.run([sys.executable, "-m", "bench.serving_cost", "--model", "tiny", "--rate", "100",
                            "--seconds", "2", "--model-dir", str(tmp_path / "models"), "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -20,7 +20,7 @@ def test_quick_run_measures_offline_online_and_the_openvino_hint(tmp_path):
     results_md = tmp_path / "RESULTS.md"
     results_md.write_text("# results\n\n## Other bench\n\nkept as it is\n")
     proc = subprocess.run(
-        [sys.executable, "bench/serving_overhead.py", "--quick", "--models", "tiny", "--out", str(tmp_path / "out"),
+        [sys.executable, "-m", "bench.serving_overhead", "--quick", "--models", "tiny", "--out", str(tmp_path / "out"),
          "--results-md", str(results_md)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )

@@ -15,7 +15,7 @@ from tests.conftest import needs_root, unique_name, wait_for
 
 
 def test_daemon_passes_flags_as_overrides(monkeypatch, tmp_path):
-    import reamer.agent.daemon as daemon
+    import reamer.node as daemon
 
     seen = {}
 

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from reamer.gpu.errors import GpuError, LimitError, NoGpuDriver, UnknownGpu, UnknownJob
-from reamer.gpu.manager import GpuManager, _boot_clock
+from reamer.gpu.manager import GpuManager
+from reamer.host.identity import boot_clock
 from reamer.gpu.policies import HealthState
 from tests.conftest import wait_for
 from tests.gpu.fakes import fake_mps
@@ -239,8 +240,8 @@ def test_desired_applied_pending_restart(make_manager, procs):
     assert view["pending_restart"] is True and view["limits_state"] == "pending_restart"
     assert view["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20" and "restart" in view["note"]
     # Restart the job with the new env (a process started after the change, in the boot clock's ticks).
-    issued = _boot_clock()
-    wait_for(lambda: _boot_clock() > issued + 0.05, what="the boot clock to pass the issue time")
+    issued = boot_clock()
+    wait_for(lambda: boot_clock() > issued + 0.05, what="the boot clock to pass the issue time")
     p1.kill()
     p1.wait()
     fake_mps.disconnect_client(view["env"]["CUDA_MPS_PIPE_DIRECTORY"], p1.pid)
@@ -261,8 +262,8 @@ def test_desired_applied_pending_restart(make_manager, procs):
 def test_process_started_before_limits_were_issued_is_not_claimed(make_manager, procs):
     m = make_manager()
     early = procs()
-    issued_after = _boot_clock()
-    wait_for(lambda: _boot_clock() > issued_after + 0.05, what="boot clock tick")
+    issued_after = boot_clock()
+    wait_for(lambda: boot_clock() > issued_after + 0.05, what="boot clock tick")
     m.register_job("serve", "0", 40, kind="inference", pids=[early.pid])
     connect(m, "serve", early)
     m.tick()

@@ -31,10 +31,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             keep.append(item)
             continue
         marker = item.get_closest_marker("profiles")
-        (keep if marker is None or LAB_PROFILE in marker.args else drop).append(item)
+        unmarked_here = _profile_runs_unmarked_tests()
+        (keep if (marker is None and unmarked_here) or (marker and LAB_PROFILE in marker.args) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def _profile_runs_unmarked_tests() -> bool:
+    from tests.hosts.helpers import PROFILE  # puts the checkout on sys.path for lab.profiles
+
+    return PROFILE is None or PROFILE.runs_unmarked_tests
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from reamer.plan.layout import InstanceShape, Layout, format_layout, parse_layou
 from reamer.plan.partition import ProfilePoint
 from reamer.search.method import (all_layouts, count_backend_layouts, quick_search_backends, screen_backends,
                                 screening_points, streams_variants)
-from reamer.plan.simulator import CalibratedBackends, CalibratedModel, synthetic_model
+from bench.simulator import CalibratedBackends, CalibratedModel, synthetic_model
 
 # --- syntax ---------------------------------------------------------------------------------------------
 

@@ -107,3 +107,19 @@ def test_count_rejects_bad_input():
         count_layouts(-1, 4)
     with pytest.raises(ValueError):
         count_layouts(4, [])
+
+
+def test_one_list_of_backends_is_what_every_layer_accepts():
+    """reamer.plan.layout.BACKENDS is the only spelling: the job spec, the backends, the CLI's choice and the
+    search's installed list all take theirs from it, in its order."""
+    from reamer.cli.common import BackendChoice
+    from reamer.plan.layout import BACKENDS
+    from reamer.search.backends import installed_backends
+    from reamer.serve import backends, spec
+
+    assert spec.BACKENDS is BACKENDS and backends.BACKENDS is BACKENDS
+    assert tuple(BackendChoice().choices) == BACKENDS
+    installed = installed_backends()
+    assert installed == [b for b in BACKENDS if b in installed]
+    for backend in BACKENDS:
+        assert parse_layout(f"2x1:b4@{backend}").backend == backend

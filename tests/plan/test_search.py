@@ -10,7 +10,7 @@ from reamer.search.method import (
     plan_from_profile,
     quick_search,
 )
-from reamer.plan.simulator import synthetic_model
+from bench.simulator import synthetic_model
 
 SETTINGS = [
     # family, noise, cores, SLO
@@ -134,7 +134,7 @@ def test_bad_arguments():
 
 
 def _batch_dependent_contention_model():
-    from reamer.plan.simulator import CalibratedModel
+    from bench.simulator import CalibratedModel
 
     # Alone, throughput is flat in the batch (b2/b4 a little worse than b1), so the batch doubling stops
     # early; running together, small batches slow each other far more (γ 1.0 at b1, 0 at b8).
@@ -156,7 +156,7 @@ def test_batch_sweep_finds_what_contention_hides_from_profiles():
 
 
 def test_learns_how_running_together_inflates_p99():
-    from reamer.plan.simulator import CalibratedModel
+    from bench.simulator import CalibratedModel
 
     # Alone every size meets a 110 ms SLO at batch 1; together (γ = 0.3) only instances of ≥ 3 cores
     # do, so the best layout mixes sizes the SLO alone never asks to profile: 1x4 + 4x3.
@@ -185,7 +185,7 @@ def _first_run_pessimistic(model):
 
 
 def test_rechecks_a_layout_that_missed_the_slo_by_noise_alone():
-    from reamer.plan.simulator import CalibratedModel
+    from bench.simulator import CalibratedModel
 
     points = [ProfilePoint(1, 1, 10.0, 100.0), ProfilePoint(2, 1, 12.5, 80.0),
               ProfilePoint(1, 2, 2000 / 190, 190.0), ProfilePoint(2, 2, 2000 / 152, 152.0)]

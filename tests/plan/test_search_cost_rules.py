@@ -3,7 +3,7 @@ verified by their point, the streams batch cap, the screening order."""
 from reamer.plan.layout import InstanceShape, Layout
 from reamer.plan.partition import ProfilePoint
 from reamer.search.method import BackendScreen, quick_search, screening_order, streams_variants
-from reamer.plan.simulator import CalibratedModel
+from bench.simulator import CalibratedModel
 
 BATCHES = (1, 2, 4, 8, 16, 32)
 

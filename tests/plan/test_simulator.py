@@ -1,7 +1,7 @@
 import pytest
 
 from reamer.plan.layout import parse_layout
-from reamer.plan.simulator import synthetic_model
+from bench.simulator import synthetic_model
 
 
 def test_deterministic():
@@ -61,7 +61,7 @@ def test_unknown_family():
 from reamer.plan.layout import count_layouts  # noqa: E402
 from reamer.plan.partition import ProfilePoint  # noqa: E402
 from reamer.search.method import all_layouts  # noqa: E402
-from reamer.plan.simulator import CalibratedModel, calibrated_models  # noqa: E402
+from bench.simulator import CalibratedModel, calibrated_models  # noqa: E402
 
 BATCHES = (1, 2, 4, 8)
 

@@ -125,7 +125,7 @@ def test_a_corrupt_store_stops_the_agent_with_what_and_the_fix(tmp_path):
         daemon.state_dir.mkdir(parents=True, exist_ok=True)
         (daemon.state_dir / "state.db").write_bytes(b"this is not a database" * 100)
         daemon.config_path.write_text(yaml.safe_dump(daemon.config))
-        proc = subprocess.run([sys.executable, "-m", "reamer.agent.daemon", "--config", str(daemon.config_path)],
+        proc = subprocess.run([sys.executable, "-m", "reamer.node", "--config", str(daemon.config_path)],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0
         said = proc.stdout + proc.stderr

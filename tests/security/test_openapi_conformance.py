@@ -122,7 +122,7 @@ def test_the_document_states_the_rules_the_server_enforces(agent_schema):
     """The fixes schemathesis asked for, checked directly (they stay true when the fuzzer misses them)."""
     doc = agent_schema.raw_schema
     schemas = doc["components"]["schemas"]
-    assert len(schemas["TrainingJobRequest"]["oneOf"]) == 4  # exactly one of pids, cgroup, container, slurm_job
+    assert len(schemas["TrainingJobRequest"]["oneOf"]) == 5  # one of pids, cgroup, container, slurm_job, k8s_container
     online, offline = schemas["InferenceJobRequest"]["oneOf"]
     assert online["required"] == ["slo_ms"] and offline["required"] == ["input_dir", "output_dir"]
     assert schemas["GpuJobUpdate"]["not"]["required"] == ["mem_limit_mb", "clear_mem_limit"]

@@ -349,7 +349,7 @@ def test_the_layout_search_on_deploy_runs_the_users_model_as_the_user(as_user, u
         for proc in psutil.Process(secure_daemon.proc.pid).children(recursive=True):
             try:
                 argv = proc.cmdline()
-                if "reamer.serve.measure.profiler" in argv and "prlimit" not in argv[0]:
+                if "reamer.serve.measure.profile_worker" in argv and "prlimit" not in argv[0]:
                     return proc
             except psutil.Error:
                 continue

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from reamer.agent.errors import InvalidRequest
-from reamer.agent.inference import (InferenceRecord, ProfileCacheChooser, apply_choice, installed_backends,
-                                    validate_request)
+from reamer.agent.inference import InferenceRecord, apply_choice, validate_request
 from reamer.host.errors import ReamerError
 from reamer.plan.layout import Layout, format_layout, parse_layout
 from reamer.plan.partition import ProfilePoint
 from reamer.serve.backends import open_backend, sample_inputs
+from reamer.search.backends import installed_backends
+from reamer.search.chooser import LayoutRequest, ProfileCacheChooser
 from reamer.search.on_cores import MeasureSettings, cached_points, search_layout
 from reamer.serve.models import build_model
 from reamer.serve.measure.profile_cache import ProfileCache, model_key
@@ -136,9 +137,9 @@ def test_chooser_plans_auto_from_both_cached_profiles(paths, tmp_path):
     cache.put(model_key(paths["tiny"], "onnxruntime"), slow)
     cache.put(model_key(paths["tiny"], "openvino"), fast)
     chooser = ProfileCacheChooser(tmp_path / "profiles")
-    choice = chooser(paths["tiny"], "auto", [0, 1], 20.0, 100.0)
+    choice = chooser(LayoutRequest(paths["tiny"], "auto", [0, 1], 20.0, 100.0))
     assert choice.accepted and parse_layout(choice.layout).backend == "openvino"
-    assert chooser(paths["tiny"], "onnxruntime", [0, 1], 20.0, 100.0).layout == "2x1:b1"  # fixed: no @
+    assert chooser(LayoutRequest(paths["tiny"], "onnxruntime", [0, 1], 20.0, 100.0)).layout == "2x1:b1"  # no @
     rec = InferenceRecord(name="web", model=paths["tiny"], kind="online", backend="auto", slo_ms=20.0,
                           rate_rps=100.0)
     apply_choice(rec, choice, [0, 1])

@@ -25,7 +25,7 @@ from reamer.serve.runtime.batchability import declared_batchability, onnx_batch_
 from reamer.serve.runtime.batcher import DynamicBatcher, ModelFault, RequestRefused
 from reamer.serve.protocol.model_config import max_request_rows
 from reamer.serve.spec import InstanceSpec
-from reamer.serve.runtime.worker import InstanceWorker
+from reamer.serve.runtime.instances import InstanceWorker
 from tests.serve import batch_models
 from tests.serve.batch_models import MODELS, client_inputs
 from tests.serve.jobs import RunningJob

@@ -10,7 +10,7 @@ from reamer.serve.backends import open_backend
 from reamer.serve.runtime.batcher import DynamicBatcher, Overloaded
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec, read_events
-from reamer.serve.runtime.worker import InstanceCrashed, InstanceWorker
+from reamer.serve.runtime.instances import InstanceCrashed, InstanceWorker
 
 CPU = sorted(os.sched_getaffinity(0))[-1]
 
@@ -248,7 +248,7 @@ def test_a_batch_skips_a_request_too_large_for_it_and_takes_the_ones_behind():
 
 
 def test_a_request_the_model_refuses_fails_alone_not_the_batch_it_was_in(make_worker, tmp_path):
-    from reamer.serve.runtime.worker import InferenceFailed
+    from reamer.serve.runtime.instances import InferenceFailed
     from tests.serve.bertlike import bert_feeds, build_bertlike
 
     w = make_worker(build_bertlike(tmp_path / "bertlike.onnx"), max_batch=4)

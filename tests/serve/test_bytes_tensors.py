@@ -18,8 +18,9 @@ from onnx import TensorProto, helper
 
 from reamer.serve import backends, model_types
 from reamer.serve.backends import BackendError, UnservableModel, open_backend
-from reamer.serve.doors.rest import BadRequest, decode_request
-from reamer.serve.doors.grpc import GrpcBadRequest, decode_infer_request
+from reamer.serve.protocol.errors import BadRequest
+from reamer.serve.protocol.grpc_codec import decode_infer_request
+from reamer.serve.protocol.rest_codec import decode_request
 from reamer.serve.doors.grpc_v2 import messages as pb
 from reamer.serve.model_check import load_problem, open_problem
 from reamer.serve.model_types import graph_problem
@@ -163,7 +164,7 @@ def test_a_large_json_body_of_strings_takes_the_fast_reader_and_gives_the_same_s
 
 
 def test_binary_answers_of_equal_shape_carry_each_answers_own_byte_sizes():
-    from reamer.serve.doors.rest import DecodedRequest, encode_response
+    from reamer.serve.protocol.rest_codec import DecodedRequest, encode_response
 
     outs = [TensorInfo("echo", "BYTES", [-1])]
     heads: dict = {}  # the job's cache of binary answer headers, shared by requests of one shape
@@ -188,7 +189,7 @@ def test_grpc_decodes_bytes_contents_and_raw_bytes():
     assert decode_infer_request(raw, ins, outs).inputs["text"].tolist() == ["a", "ß"]
     short = pb.ModelInferRequest(model_name="m")
     short.inputs.add(name="text", datatype="BYTES", shape=[3]).contents.bytes_contents.extend([b"a"])
-    with pytest.raises(GrpcBadRequest, match="bytes_contents has 1 values but shape"):
+    with pytest.raises(BadRequest, match="bytes_contents has 1 values but shape"):
         decode_infer_request(short, ins, outs)
 
 

@@ -14,10 +14,12 @@ from tritonclient.utils import InferenceServerException
 
 from reamer.serve.backends import open_backend
 from reamer.serve.runtime.batcher import DynamicBatcher
-from reamer.serve.doors.rest import HEADER_LENGTH, FrontDoor, V2App
+from reamer.serve.doors.http_server import FrontDoor
+from reamer.serve.doors.rest import V2App
+from reamer.serve.protocol.v2wire import HEADER_LENGTH
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec
-from reamer.serve.runtime.worker import InstanceWorker
+from reamer.serve.runtime.instances import InstanceWorker
 from tests.conftest import wait_for
 
 CPU = sorted(os.sched_getaffinity(0))[-1]
@@ -221,7 +223,7 @@ def test_worker_killed_mid_request_gives_clear_503_then_recovers(served):
 
 
 def test_a_repeated_binary_header_is_decoded_from_the_plan_cache_with_the_same_result():
-    from reamer.serve.doors.rest import decode_request
+    from reamer.serve.protocol.rest_codec import decode_request
     from reamer.serve.protocol.tensors import TensorInfo
 
     ins = [TensorInfo("x", "FP32", [-1, 8]), TensorInfo("ids", "INT64", [-1, 4])]
@@ -251,7 +253,7 @@ def test_a_repeated_binary_header_is_decoded_from_the_plan_cache_with_the_same_r
 
 
 def test_a_repeated_binary_response_reuses_its_encoded_head_byte_for_byte():
-    from reamer.serve.doors.rest import DecodedRequest, encode_response
+    from reamer.serve.protocol.rest_codec import DecodedRequest, encode_response
     from reamer.serve.protocol.tensors import TensorInfo
 
     outs = [TensorInfo("scores", "FP32", [-1, 3]), TensorInfo("ids", "INT64", [-1])]
@@ -545,7 +547,7 @@ class _RecordingApp:
         self.seen = []
 
     async def handle(self, method, path, headers, body, client=None):
-        from reamer.serve.doors.rest import Reply
+        from reamer.serve.doors.http_framing import Reply
 
         self.seen.append((method, path, bytes(body)))
         return Reply(200, b"{}")
@@ -578,7 +580,8 @@ class _Transport:
 
 
 def _door_with(app, **limits):
-    from reamer.serve.doors.rest import DoorLimits, _DoorLog
+    from reamer.serve.doors.http_server import _DoorLog
+    from reamer.serve.doors.limits import DoorLimits
 
     door = FrontDoor.__new__(FrontDoor)
     door.app, door.limits = app, DoorLimits(**limits)
@@ -598,7 +601,7 @@ def _receive(conn, data: bytes) -> None:
 
 
 def test_a_large_body_is_read_straight_into_one_buffer_reserved_against_the_budget():
-    from reamer.serve.doors.rest import READ_BYTES, _Connection
+    from reamer.serve.doors.http_server import READ_BYTES, _Connection
 
     async def main():
         app = _RecordingApp()
@@ -635,7 +638,7 @@ def test_a_large_body_is_read_straight_into_one_buffer_reserved_against_the_budg
 
 
 def test_a_refused_connection_releases_its_reserved_body():
-    from reamer.serve.doors.rest import READ_BYTES, _Connection
+    from reamer.serve.doors.http_server import READ_BYTES, _Connection
 
     async def main():
         door = _door_with(_RecordingApp(), max_buffered_bytes=8 << 20, max_request_bytes=4 << 20,

@@ -518,7 +518,7 @@ def test_job_log_is_copied_aside_and_truncated_past_its_limit(tmp_path):
 
 def test_unknown_frontdoor_settings_are_refused_by_name():
     from reamer.host.errors import ReamerError
-    from reamer.serve.doors.rest import DoorLimits
+    from reamer.serve.doors.limits import DoorLimits
 
     assert DoorLimits.from_settings(2, {"max_buffered_mb": 8, "json_offload_kb": 1}).max_buffered_bytes == 8 << 20
     with pytest.raises(ReamerError, match="max_conections"):
@@ -558,7 +558,7 @@ def test_request_bodies_held_by_all_connections_are_capped_with_503(job, referen
 
 
 def test_refusals_are_logged_at_most_burst_lines_per_window(capsys):
-    from reamer.serve.doors.rest import ClientErrorLog
+    from reamer.serve.doors.http_server import ClientErrorLog
 
     log = ClientErrorLog(burst=3, window_s=3600)
     for i in range(10):
@@ -574,7 +574,7 @@ def test_refusals_are_logged_at_most_burst_lines_per_window(capsys):
 def test_the_agent_config_reaches_the_job_spec_and_its_limits(tmp_path):
     from reamer.agent.config import load_config
     from reamer.agent.inference import InferenceRecord, InferenceSupervisor
-    from reamer.serve.doors.rest import DoorLimits
+    from reamer.serve.doors.limits import DoorLimits
 
     config = load_config(None, {"inference.frontdoor.max_connections": 7, "inference.frontdoor.max_buffered_mb": 32,
                                 "inference.job_log_mb": 2, "inference.max_request_mb": 4})

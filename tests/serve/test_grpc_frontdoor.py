@@ -154,14 +154,14 @@ def _bad(job, mutate) -> grpc.RpcError:
 
 
 @pytest.mark.parametrize("mutate, words", [
-    (lambda r: setattr(r.inputs[0], "name", "nope"), "inputs[0].name 'nope'"),
-    (lambda r: r.inputs[0].shape.__setitem__(1, 7), "inputs[0] ('x').shape is [2, 7]"),
-    (lambda r: setattr(r.inputs[1], "datatype", "FP32"), "inputs[1] ('ids').datatype"),
-    (lambda r: (r.inputs.pop(), r.raw_input_contents.pop()), "inputs lack ['ids']"),
+    (lambda r: setattr(r.inputs[0], "name", "nope"), "unknown input 'nope'"),
+    (lambda r: r.inputs[0].shape.__setitem__(1, 7), "input 'x' has shape [2, 7]"),
+    (lambda r: setattr(r.inputs[1], "datatype", "FP32"), "input 'ids' has datatype 'FP32' but the model expects INT64"),
+    (lambda r: (r.inputs.pop(), r.raw_input_contents.pop()), "missing input(s) ['ids']"),
     (lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 12), "raw_input_contents[0] ('x') has 12 bytes"),
     (lambda r: r.raw_input_contents.pop(), "raw_input_contents has 1 entries for 2 inputs"),
     (lambda r: r.inputs[0].contents.fp32_contents.append(1.0), "inputs[0] ('x').contents is set beside"),
-    (lambda r: r.outputs.add(name="nah"), "outputs[0].name 'nah'"),
+    (lambda r: r.outputs.add(name="nah"), "unknown output 'nah' in outputs[0].name"),
     (lambda r: r.ClearField("raw_input_contents"), "inputs[0] ('x').contents.fp32_contents has 0 values"),
 ])
 def test_bad_requests_are_invalid_argument_naming_the_field_and_the_job_keeps_serving(job, reference, mutate, words):
@@ -354,7 +354,7 @@ def test_every_typed_datatype_from_a_plain_kserve_v2_client(tmp_path):
     names = [d for d in DTYPES if d not in RAW_ONLY]
     j = grpc_job(_identity_model(tmp_path / "typed.onnx", names), tmp_path, name="typed")
     try:
-        from reamer.serve.doors.grpc import CONTENTS_FIELD
+        from reamer.serve.protocol.grpc_codec import CONTENTS_FIELD
 
         channel, infer = _rpc(j.grpc, "ModelInfer")
         with channel:

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reamer.serve.doors import rest
-from reamer.serve.doors.rest import BadRequest, decode_request
+from reamer.serve.protocol import rest_codec
+from reamer.serve.protocol.errors import BadRequest
+from reamer.serve.protocol.rest_codec import decode_request
 from reamer.serve.protocol.json_body import FloatData, read_large_request
 from reamer.serve.protocol.tensors import TensorInfo
 
@@ -69,7 +70,7 @@ def _decode(body: bytes, datatype: str = "FP32"):
 
 def _general(monkeypatch, body: bytes, datatype: str):
     with monkeypatch.context() as m:
-        m.setattr(frontdoor, "LARGE_JSON_BYTES", 1 << 62)  # the simdjson read off
+        m.setattr(rest_codec, "LARGE_JSON_BYTES", 1 << 62)  # the simdjson read off
         return _decode(body, datatype)
 
 
@@ -79,7 +80,7 @@ def test_the_simdjson_read_answers_as_the_general_path(monkeypatch, case, dataty
 
 
 def _same_answer(monkeypatch, body: bytes, datatype: str = "FP32"):
-    assert len(body) > frontdoor.LARGE_JSON_BYTES
+    assert len(body) > rest_codec.LARGE_JSON_BYTES
     fast, general = _decode(body, datatype), _general(monkeypatch, body, datatype)
     if isinstance(general, str):
         assert fast == general
@@ -181,12 +182,12 @@ def test_any_mix_of_values_reads_as_the_general_path_reads_it(datatype, floats, 
             return str(exc)
 
     fast = decode()
-    saved = frontdoor.LARGE_JSON_BYTES
-    frontdoor.LARGE_JSON_BYTES = 1 << 62  # the simdjson read off (hypothesis does not take pytest's monkeypatch)
+    saved = rest_codec.LARGE_JSON_BYTES
+    rest_codec.LARGE_JSON_BYTES = 1 << 62  # the simdjson read off (hypothesis does not take pytest's monkeypatch)
     try:
         general = decode()
     finally:
-        frontdoor.LARGE_JSON_BYTES = saved
+        rest_codec.LARGE_JSON_BYTES = saved
     if isinstance(general, str):
         assert fast == general
     else:

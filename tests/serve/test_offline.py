@@ -15,7 +15,7 @@ from reamer.serve.models import build_model
 from reamer.serve.runtime.offline import OfflineInputError, OfflineRunner, list_inputs, load_inputs, read_npz
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus, is_temp_file, read_events
 from reamer.serve.protocol.tensors import TensorInfo
-from reamer.serve.runtime.worker import InstanceWorker
+from reamer.serve.runtime.instances import InstanceWorker
 from tests.conftest import wait_for
 
 CPUS = sorted(os.sched_getaffinity(0))

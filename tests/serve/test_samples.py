@@ -158,13 +158,14 @@ def test_one_shape_sizes_the_inputs_that_share_its_named_dims(bert):
 
 
 def test_deploy_chooser_plans_from_the_profile_of_the_deployed_traffic(bert, tmp_path):
-    from reamer.agent.inference import ProfileCacheChooser
+    from reamer.search.chooser import LayoutRequest, ProfileCacheChooser
     from reamer.plan.partition import ProfilePoint
     from reamer.serve.measure.profile_cache import ProfileCache
 
     seq128 = SampleSpec({"input_ids": (1, 128)})
     ProfileCache(tmp_path).put(model_key(bert, "onnxruntime", samples=seq128), [ProfilePoint(1, 1, 100.0, 5.0)])
     chooser = ProfileCacheChooser(tmp_path)  # cached profiles only, no search
-    assert chooser(bert, "onnxruntime", [1], 50.0, None, samples=seq128).layout == "1x1:b1"
-    assert chooser(bert, "onnxruntime", [1], 50.0, None) is None  # seq 16 was never profiled
-    assert chooser(bert, "onnxruntime", [1], 50.0, None, samples=SampleSpec({"input_ids": (1, 64)})) is None
+    assert chooser(LayoutRequest(bert, "onnxruntime", [1], 50.0, None, samples=seq128)).layout == "1x1:b1"
+    assert chooser(LayoutRequest(bert, "onnxruntime", [1], 50.0, None)) is None  # seq 16 was never profiled
+    seq64 = SampleSpec({"input_ids": (1, 64)})
+    assert chooser(LayoutRequest(bert, "onnxruntime", [1], 50.0, None, samples=seq64)) is None

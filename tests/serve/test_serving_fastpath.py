@@ -13,10 +13,13 @@ import pytest
 
 from reamer.serve.backends import open_backend
 from reamer.serve.runtime.batcher import DynamicBatcher
-from reamer.serve.doors.rest import FrontDoor, V2App
+from reamer.serve.doors.http_server import FrontDoor
+from reamer.serve.doors.rest import V2App
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec
-from reamer.serve.runtime.worker import INLINE_MAX_BYTES, InstanceCrashed, InstanceWorker, _shareable
+from reamer.serve.runtime.instance_channel import INLINE_MAX_BYTES
+from reamer.serve.runtime.instance_channel import shareable as _shareable
+from reamer.serve.runtime.instances import InstanceCrashed, InstanceWorker
 from tests.conftest import wait_for
 
 CPU = sorted(os.sched_getaffinity(0))[-1]

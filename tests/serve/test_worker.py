@@ -9,7 +9,7 @@ import pytest
 from reamer.serve.backends import open_backend
 from reamer.serve.models import build_model
 from reamer.serve.spec import InstanceSpec, read_events
-from reamer.serve.runtime.worker import InstanceCrashed, InstanceWorker, WorkerStartError
+from reamer.serve.runtime.instances import InstanceCrashed, InstanceWorker, WorkerStartError
 from tests.conftest import wait_for
 
 CPU = sorted(os.sched_getaffinity(0))[-1]

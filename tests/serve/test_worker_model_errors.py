@@ -11,7 +11,7 @@ import pytest
 import uvloop
 
 from reamer.serve.spec import InstanceSpec
-from reamer.serve.runtime.worker import InferenceFailed, InstanceWorker, WorkerStartError
+from reamer.serve.runtime.instances import InferenceFailed, InstanceWorker, WorkerStartError
 from tests.serve.bertlike import bert_feeds, build_bertlike, export_bert
 
 CPU = sorted(os.sched_getaffinity(0))[-1]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -17,6 +16,7 @@ import httpx
 import numpy as np
 
 from reamer.host.errors import ReamerError
+from reamer.plan.statistics import percentile, slo_attainment
 from reamer.serve.protocol.tensors import numpy_to_v2
 
 RequestStatus = Literal["ok", "shed", "error"]
@@ -62,8 +62,7 @@ class LoadResult:
 
     def percentile(self, p: float) -> float:
         """The p-th percentile (0..100) of successful-request latency in ms; NaN when none succeeded."""
-        lat = self.latencies
-        return float(np.percentile(lat, p)) if lat else math.nan
+        return percentile(self.latencies, p)
 
     @property
     def p50_ms(self) -> float:
@@ -80,9 +79,7 @@ class LoadResult:
 
     def slo_attainment(self, slo_ms: float) -> float:
         """Fraction of all sent requests answered successfully within `slo_ms`."""
-        if not self.records:
-            return math.nan
-        return sum(r.status == "ok" and r.latency_ms <= slo_ms for r in self.records) / len(self.records)
+        return slo_attainment(self.latencies, slo_ms, len(self.records))
 
     def summary(self) -> dict:
         return {"url": self.url, "rate_rps": self.rate_rps, "duration_s": self.duration_s, "sent": len(self.records),

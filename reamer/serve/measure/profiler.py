@@ -1,6 +1,7 @@
 """Measure a model's throughput and latency on given CPUs, the way perf_analyzer does.
 
-Each instance runs in its own worker process (`python -m reamer.serve.measure.profiler --worker CONFIG`)
+Each instance runs in its own worker process (`python -m reamer.serve.measure.profile_worker --worker CONFIG`,
+measure/profile_worker.py)
 that pins itself to its CPUs *before* importing numpy or the runtime, so every runtime thread
 inherits the affinity. The worker loads the model with threads = its cores, warms up (discarded),
 says READY, waits for GO, then runs closed-loop batches in windows:
@@ -20,7 +21,8 @@ Workers started inside `workers_run_as(identity, memory_mb)` (the agent's layout
 as that user (the job's), in Python's isolated mode from cwd "/", with a minimal environment and a
 data-segment limit: the model and sample data they open are the user's files.
 
-Top-level imports here are standard library only, because this module is also the worker's entry point.
+Top-level imports here are standard library only, because the worker imports this module (WorkerConfig,
+WorkerResult) before it pins itself.
 """
 from __future__ import annotations
 
@@ -111,9 +113,9 @@ def window_is_stable(window_rps: Sequence[float], stability: float = 0.10) -> bo
 
 
 def p99(latencies_ms: Sequence[float]) -> float:
-    import numpy as np
+    from reamer.plan import statistics  # numpy: not at the top (the worker pins itself first)
 
-    return float(np.percentile(latencies_ms, 99)) if len(latencies_ms) else float("nan")
+    return statistics.p99(latencies_ms)
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def child_start(module: str, args: list[str], env: dict[str, str] | None = None)
 def _worker_start(config: WorkerConfig) -> tuple[list[str], dict[str, Any]]:
     """The worker's command line and Popen arguments (who it runs as, its environment, cwd, limits)."""
     threads = {"OMP_NUM_THREADS": str(config.threads), "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return child_start("reamer.serve.measure.profiler", ["--worker", json.dumps(asdict(config))], threads)
+    return child_start("reamer.serve.measure.profile_worker", ["--worker", json.dumps(asdict(config))], threads)
 
 
 class ProfileWorker:
@@ -465,147 +467,11 @@ def measure_layout(model_path: str | os.PathLike, backend: str, layout: Any, cpu
 
 def point_measurer(model_path: str | os.PathLike, backend: str, cpus: Sequence[int] | None = None,
                    **kwargs: Any) -> Callable[[int, int], "ProfilePoint"]:
-    """`measure(cores, batch)` for plan.search.quick_search."""
+    """`measure(cores, batch)` for reamer.search.method.quick_search."""
     return lambda cores, batch: measure_point(model_path, backend, cores, batch, cpus, **kwargs)
 
 
 def layout_verifier(model_path: str | os.PathLike, backend: str, cpus: Sequence[int],
                     **kwargs: Any) -> Callable[[Any], tuple[float, float]]:
-    """`verify(layout) -> (rps, p99_ms)` for plan.search.quick_search."""
+    """`verify(layout) -> (rps, p99_ms)` for reamer.search.method.quick_search."""
     return lambda layout: measure_layout(model_path, backend, layout, cpus, **kwargs)
-
-
-# --- worker side ------------------------------------------------------------------------------------
-
-def _emit(tag: str, payload: dict) -> None:
-    sys.stdout.write(f"{tag} {json.dumps(payload)}\n")
-    sys.stdout.flush()
-
-
-def _worker_main(config_json: str) -> int:
-    cfg = WorkerConfig(**json.loads(config_json))
-    os.sched_setaffinity(0, cfg.cpus)  # before numpy/runtime create their thread pools
-
-    import numpy as np
-
-    from reamer.serve.backends import open_backend
-    from reamer.serve.samples import SampleSpec, plan_samples
-
-    try:
-        backend = open_backend(cfg.backend, cfg.model_path, cfg.threads, cfg.streams, cfg.precision,
-                               cfg.static_batch)
-        plan = plan_samples(backend.inputs, SampleSpec.from_doc(cfg.samples), cfg.model_path)
-        feeds = plan.batch(cfg.batch, np.random.default_rng(cfg.seed))
-    except ReamerError as exc:
-        _emit("ERROR", {"message": exc.message, "fix": exc.fix})
-        return 2
-    if not _first_run(backend, cfg, plan, feeds):
-        return 2
-    warm_until = time.perf_counter() + cfg.warmup_s
-    while time.perf_counter() < warm_until:
-        backend.run(feeds)
-    _emit("READY", {"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "threads": cfg.threads,
-                    "precision": backend.precision})
-    warm_batch = cfg.batch
-    while True:
-        command, _, payload = sys.stdin.readline().strip().partition(" ")
-        if command == "GO":  # one measurement of the configured batch, then exit (the instances of a layout)
-            res = _measure(backend, feeds, cfg, cfg.batch, _rows(plan, feeds))
-            backend.close()
-            _emit("RESULT", asdict(res))
-            return 0
-        if command != "RUN":  # "EXIT", end of input (the parent went away) or anything else: done
-            backend.close()
-            return 0
-        asked = json.loads(payload)
-        batch = int(asked["batch"])
-        if batch != warm_batch:
-            feeds = plan.batch(batch, np.random.default_rng(cfg.seed))
-            if not _first_run(backend, cfg, plan, feeds):
-                return 2
-            _rewarm(backend, feeds, cfg.warmup_s)
-            warm_batch = batch
-        else:
-            warm_until = time.perf_counter() + float(asked.get("rewarm_s", 0.0))
-            while time.perf_counter() < warm_until:
-                backend.run(feeds)
-        _emit("RESULT", asdict(_measure(backend, feeds, cfg, batch, _rows(plan, feeds))))
-
-
-def _rows(plan: Any, feeds: dict) -> int:
-    return next((len(feeds[p.info.name]) for p in plan.inputs if p.batched), 0)
-
-
-def _first_run(backend: Any, cfg: WorkerConfig, plan: Any, feeds: dict) -> bool:
-    """Run one batch; False (and an ERROR line naming the input at fault) when the runtime refuses it."""
-    from reamer.serve.samples import explain_failure
-
-    try:
-        backend.run(feeds)
-    except Exception as exc:  # noqa: BLE001 - runtimes raise their own types
-        _emit("ERROR", {"message": explain_failure(cfg.model_path, plan, feeds, exc),
-                        "fix": "give the traffic's shapes (--shape NAME:DIMS) or sample data (--input-data FILE) "
-                               "that the model accepts"})
-        return False
-    return True
-
-
-def _rewarm(backend: Any, feeds: dict, warmup_s: float, min_batches: int = 3) -> int:
-    """Warm up a loaded model on a new batch shape (the first run of it already done): `warmup_s`, or less
-    once two consecutive quarter-warm-up periods (half the warm-up together) ran within 10 % of each
-    other's throughput — the runtime has settled on the new shape; never fewer than `min_batches` batches,
-    the first run counted. Returns the batches run."""
-    period = warmup_s / 4
-    ran, rates = 1, []
-    began = time.perf_counter()
-    while True:
-        p_start = now = time.perf_counter()
-        n = 0
-        while n == 0 or now - p_start < period:
-            backend.run(feeds)
-            n += 1
-            now = time.perf_counter()
-        ran += n
-        rates.append(n / (now - p_start))
-        if ran < min_batches:
-            continue
-        if now - began >= warmup_s:
-            return ran
-        if len(rates) >= 2 and abs(rates[-1] - rates[-2]) <= 0.10 * max(rates[-1], rates[-2]):
-            return ran
-
-
-def _measure(backend: Any, feeds: dict, cfg: WorkerConfig, batch: int, fed_batch: int) -> WorkerResult:
-    """Closed-loop batches in windows: point mode until window_is_stable or max_windows, fixed mode
-    exactly fixed_windows."""
-    res = WorkerResult(cfg.cpus, cfg.threads, batch, fed_batch=fed_batch)
-    limit = cfg.fixed_windows or cfg.max_windows
-    began = time.perf_counter()
-    while len(res.window_rps) < limit:
-        w_start = now = time.perf_counter()
-        n = 0
-        while now - w_start < cfg.window_s:
-            backend.run(feeds)
-            done = time.perf_counter()
-            res.latencies_ms.append((done - now) * 1e3)
-            n += batch
-            now = done
-        res.window_rps.append(n / (now - w_start))
-        res.samples += n
-        if cfg.fixed_windows is None and window_is_stable(res.window_rps, cfg.stability):
-            res.stable = True
-            break
-    res.measured_s = time.perf_counter() - began
-    return res
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 2 and argv[0] == "--worker":
-        return _worker_main(argv[1])
-    sys.stderr.write("usage: python -m reamer.serve.measure.profiler --worker CONFIG_JSON (started by reamer itself)\n")
-    return 64
-
-
-if __name__ == "__main__":
-    sys.exit(main())

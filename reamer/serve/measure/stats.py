@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from reamer.plan.statistics import percentile, slo_attainment
+
 
 @dataclass(frozen=True)
 class StatsSnapshot:
@@ -90,10 +92,10 @@ class RequestStats:
             served_total, shed_total = self._served_total, self._shed_total
         p50 = p99 = attainment = None
         if lat.size:
-            p50, p99 = (float(v) for v in np.percentile(lat, [50, 99]))
+            p50, p99 = percentile(lat, 50), percentile(lat, 99)
         arrivals = lat.size + shed + failed
         if self.slo_ms is not None and arrivals:
-            attainment = float(np.count_nonzero(lat <= self.slo_ms)) / arrivals
+            attainment = slo_attainment(lat, self.slo_ms, arrivals)
         return StatsSnapshot(requests=served_total, shed=shed_total, rate_rps=rate,
                              p50_ms=p50, p99_ms=p99, slo_attainment=attainment)
 

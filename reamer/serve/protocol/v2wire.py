@@ -1,16 +1,15 @@
 """Bytes of v2 (Open Inference Protocol) responses with binary outputs, and the plan an instance worker
 needs to send one to the client itself.
 
-The front door builds its responses here, and so does an instance worker that answers a request on the
+The REST codec builds its responses here, and so does an instance worker that answers a request on the
 client's socket directly (reply-through, see `ReplyPlan`): the answer leaves from the core where the model
 just ran instead of waking the job process, whose code and data the model's weights have pushed out of the
-shared cache by then.
+shared cache by then. The HTTP head of that answer comes with the plan, made by the door (doors/http_framing).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -21,8 +20,6 @@ SERVER_NAME = "reamer"
 SERVER_VERSION = "0.1.0"
 HEADS_CACHE_SIZE = 256
 
-_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\nserver: {SERVER_NAME}" for s in HTTPStatus}
-
 
 @dataclass
 class ReplyPlan:
@@ -32,18 +29,11 @@ class ReplyPlan:
     model_name: str
     request_id: str | None
     outputs: list[tuple[str, str]]  # (name, v2 datatype) in answer order
-    keep_alive: bool
+    # the answer's HTTP head, a %-template of (body length, JSON header length, Server-Timing value), from the
+    # door (doors/http_framing.binary_reply_head): the instance fills it in without knowing HTTP
+    head_template: bytes
     started: float  # time.perf_counter() when the job took the request: Server-Timing's total
     queue_s: float = 0.0
-
-
-def http_head(status: int, content_type: str, length: int, headers: dict[str, str], keep_alive: bool) -> bytes:
-    """The status line and headers of a response with a `length`-byte body."""
-    lines = [_STATUS_LINES[status], f"content-type: {content_type}", f"content-length: {length}"]
-    lines += [f"{k}: {v}" for k, v in headers.items() if k != "connection"]
-    if not keep_alive:
-        lines.append("connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 def server_timing(queue_s: float, compute_s: float, total_s: float) -> str:
@@ -97,12 +87,11 @@ def binary_body(model_name: str, request_id: str | None, outputs: list[tuple[str
 
 def binary_reply(plan: ReplyPlan, outputs: dict[str, np.ndarray], compute_s: float, now: float,
                  heads: dict[tuple, bytes] | None = None) -> list[bytes]:
-    """The whole HTTP response for `plan` (head, JSON header, tensors), as parts for one gathered write."""
+    """The whole response for `plan` (the door's head, JSON header, tensors), as parts for one gathered write."""
     import numpy as np
 
     head, blobs = binary_body(plan.model_name, plan.request_id,
                               [(name, datatype, np.asarray(outputs[name])) for name, datatype in plan.outputs], heads)
-    headers = {HEADER_LENGTH: str(len(head)),
-               "server-timing": server_timing(plan.queue_s, compute_s, now - plan.started)}
     length = len(head) + sum(len(b) for b in blobs)
-    return [http_head(200, "application/octet-stream", length, headers, plan.keep_alive), head, *blobs]
+    timing = server_timing(plan.queue_s, compute_s, now - plan.started)
+    return [plan.head_template % (length, len(head), timing.encode("latin-1")), head, *blobs]

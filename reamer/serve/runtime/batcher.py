@@ -41,9 +41,10 @@ import numpy as np
 from reamer.host.errors import ReamerError
 from reamer.plan.online_sim import MAX_WAIT_SHARE_OF_SLO
 from reamer.serve.runtime.batchability import Batchability
+from reamer.serve.protocol.errors import Fault
 from reamer.serve.protocol.model_stats import ModelStatistics
 from reamer.serve.measure.stats import RequestStats
-from reamer.serve.runtime.worker import InferenceFailed, InstanceWorker, Replied, WorkerError
+from reamer.serve.runtime.instances import InferenceFailed, InstanceWorker, Replied, WorkerError
 
 if TYPE_CHECKING:
     from reamer.serve.protocol.tensors import TensorInfo
@@ -52,9 +53,13 @@ if TYPE_CHECKING:
 class Overloaded(ReamerError):
     """The job cannot serve this request within its SLO right now."""
 
+    fault = Fault.NOT_READY
+
 
 class NotReady(ReamerError):
     """No instance of the job is ready to serve."""
+
+    fault = Fault.NOT_READY
 
 
 class RequestRefused(InferenceFailed):
@@ -63,6 +68,8 @@ class RequestRefused(InferenceFailed):
 
 class ModelFault(WorkerError):
     """The model's answer to a batch could not be handed back to its requests (500, with the reason)."""
+
+    fault = Fault.MODEL_FAULT
 
 
 

@@ -29,7 +29,7 @@ from reamer.host.malloc import keep_large_buffers
 from reamer.host.sched import ThreadGone, set_affinity, threads_of
 from reamer.serve.runtime.joblog import bound_log
 from reamer.serve.spec import InstanceSpec, JobSpec, JobStatus, SpecError, append_event, plan_reconcile
-from reamer.serve.runtime.worker import InstanceWorker, WorkerStartError
+from reamer.serve.runtime.instances import InstanceWorker, WorkerStartError
 
 STATUS_PERIOD_S = 0.5
 OVERLOAD_SUSTAIN_S = 3.0
@@ -151,7 +151,9 @@ class Job:
     # -- online
     async def _run_online(self) -> int:
         from reamer.serve.runtime.batcher import DynamicBatcher
-        from reamer.serve.doors.rest import DoorLimits, FrontDoor, V2App
+        from reamer.serve.doors.http_server import FrontDoor
+        from reamer.serve.doors.limits import DoorLimits
+        from reamer.serve.doors.rest import V2App
         from reamer.serve.doors.grpc import GrpcFrontDoor, GrpcV2Service
         from reamer.serve.measure.stats import FrontDoorLoad, OverloadDetector, RequestStats
 

@@ -34,7 +34,7 @@ from reamer.host.errors import ReamerError
 from reamer.host.sched import set_nice
 from reamer.serve.spec import append_event, is_temp_file, write_atomic
 from reamer.serve.protocol.tensors import BadBytesTensor, TensorInfo, as_text_array, storable_text, v2_to_numpy
-from reamer.serve.runtime.worker import InstanceCrashed, InstanceWorker, WorkerError
+from reamer.serve.runtime.instances import InstanceCrashed, InstanceWorker, WorkerError
 
 INPUT_SUFFIXES = (".npy", ".npz")
 # The runner's own threads (reading inputs, handing batches over, writing results) run at this nice

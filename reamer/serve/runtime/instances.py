@@ -1,4 +1,5 @@
-"""Instance workers: one process per instance, pinned before the runtime starts, and its supervision.
+"""Instance workers, the parent's side: one process per instance, pinned before the runtime starts
+(runtime/instance_worker), and its supervision.
 
 The child sets its cpu affinity (and SCHED_IDLE when asked) first, and only then imports and opens
 the backend, so every runtime thread inherits the pinning and the policy. It warms up with two
@@ -10,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import mmap
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -22,12 +21,12 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable
 
 from reamer.host.errors import ReamerError
-from reamer.serve.spec import InstanceSpec, append_event, static_batch_for
-from reamer.serve.protocol.v2wire import binary_reply  # light (json, http); numpy only inside its functions
+from reamer.serve.protocol.errors import Fault
+from reamer.serve.runtime.instance_channel import Arena, Pipe, ReplyFlag, shareable
+from reamer.serve.spec import InstanceSpec, append_event
 
 if TYPE_CHECKING:
     import numpy as np
@@ -39,6 +38,8 @@ if TYPE_CHECKING:
 
 class WorkerError(ReamerError):
     """An instance worker could not start or could not serve a batch."""
+
+    fault = Fault.NOT_READY
 
 
 class WorkerStartError(WorkerError):
@@ -57,6 +58,8 @@ class InstanceCrashed(WorkerError):
 
 class InferenceFailed(WorkerError):
     """The backend raised on a batch (the worker itself is fine)."""
+
+    fault = Fault.BAD_INPUT
 
 
 class ReplyBroken(WorkerError):
@@ -84,272 +87,9 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-class _Pipe(Connection):
-    """multiprocessing's Connection with plain pickle: its ForkingPickler builds a pickler with a copied
-    dispatch table for every message, which cost more CPU than the rest of a small batch's round trip."""
+# The worker's entry: a fresh interpreter that imports only the light child module before it pins itself.
+_BOOTSTRAP = "import sys; from reamer.serve.runtime.instance_worker import child_main; child_main(sys.argv[1:])"
 
-    def send(self, obj: Any) -> None:
-        self.send_bytes(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
-
-    def recv(self) -> Any:
-        return pickle.loads(self.recv_bytes())
-
-
-# ---------------------------------------------------------------- tensors through shared memory
-
-class _Arena:
-    """A growable shared-memory file (memfd) that parent and worker both map; holds one batch's tensors.
-
-    Tensors go through it instead of being pickled through the pipe: a 600 KB image batch pickled over
-    a socket takes several fills of the socket buffer, and so several cross-cpu wake-ups of a process on
-    a busy core, per request. The pipe now carries only a small message naming offsets and shapes.
-    One batch at a time per instance (the parent's lock), so the writer never overwrites what the reader
-    still uses.
-    """
-
-    ALIGN = 64
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._map: mmap.mmap | None = None
-        self._size = 0
-        self.refresh()
-
-    @classmethod
-    def create(cls, name: str, size: int = 1 << 20) -> "_Arena":
-        fd = os.memfd_create(name)
-        os.ftruncate(fd, size)
-        return cls(fd)
-
-    def refresh(self) -> None:
-        """Map the file again if the other side grew it."""
-        size = os.fstat(self.fd).st_size
-        if size != self._size:
-            # The old map is not closed: numpy views of it may still live; it goes when they do.
-            self._map, self._size = mmap.mmap(self.fd, size), size
-
-    def write(self, arrays: dict[str, np.ndarray]) -> list[tuple[str, str, tuple, int]]:
-        """Copy `arrays` in (growing the file when needed); the layout to send to the other side."""
-        import numpy as np
-
-        layout, end = [], 0
-        for name, arr in arrays.items():
-            layout.append((name, arr.dtype.str, arr.shape, end))
-            end += -(-arr.nbytes // self.ALIGN) * self.ALIGN
-        if end > self._size:
-            os.ftruncate(self.fd, max(end, 2 * self._size))
-            self.refresh()
-        for (name, dtype, shape, offset) in layout:
-            np.copyto(np.ndarray(shape, np.dtype(dtype), buffer=self._map, offset=offset), arrays[name],
-                      casting="no")
-        return layout
-
-    def read(self, layout: list[tuple[str, str, tuple, int]], copy: bool) -> dict[str, np.ndarray]:
-        """The arrays of `layout`: views (valid until the next write) or copies."""
-        import numpy as np
-
-        out = {}
-        for name, dtype, shape, offset in layout:
-            try:
-                view = np.ndarray(shape, np.dtype(dtype), buffer=self._map, offset=offset)
-            except TypeError:  # beyond the mapping: the other side grew the file
-                self.refresh()
-                view = np.ndarray(shape, np.dtype(dtype), buffer=self._map, offset=offset)
-            out[name] = view.copy() if copy else view
-        return out
-
-    def close(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
-
-
-# Tensors up to this size go inline in the pipe message: for a few KB (BERT's token ids, most models'
-# outputs) pickling costs less than the arena's per-tensor views and copies.
-INLINE_MAX_BYTES = 64 << 10
-
-
-class _Flag(_Arena):
-    """One shared byte, set by the worker when it starts writing a response to a client: after a crash
-    the parent can tell a request the client got nothing of (503) from a half-sent answer (close)."""
-
-    def set(self, value: bool) -> None:
-        self._map[0] = 1 if value else 0
-
-    def is_set(self) -> bool:
-        return self._map[0] == 1
-
-
-def _shareable(arrays: dict[str, np.ndarray]) -> bool:
-    """Worth sending through the arena: plain numeric tensors, more than INLINE_MAX_BYTES in all."""
-    total = 0
-    for a in arrays.values():
-        if getattr(a, "dtype", None) is None or a.dtype.hasobject:
-            return False
-        total += a.nbytes
-    return total > INLINE_MAX_BYTES
-
-
-# ---------------------------------------------------------------- child side
-
-# The worker is a fresh interpreter that imports only this light module before it pins itself and
-# sets its policy; numpy's BLAS pool and the runtime start their threads after that and inherit both.
-_BOOTSTRAP = "import sys; from reamer.serve.runtime.worker import child_main; child_main(sys.argv[1:])"
-
-
-def child_main(argv: list[str]) -> None:
-    """Worker process entry: argv = [fd, cpus "0,1", sched, threads, backend, precision, max batch, model path,
-    samples (JSON of a samples.SampleSpec), in-arena fd, out-arena fd, reply flag fd]."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C on the job's terminal: the job stops its workers
-    fd, cpu_list, sched, threads, backend_kind, precision, max_batch, model_path, samples, *shared_fds = argv
-    from reamer.host.sched import set_affinity, set_idle_policy  # light: os and pathlib only
-
-    cpus = [int(c) for c in cpu_list.split(",")]
-    problem = ""
-    try:
-        set_affinity(0, cpus)
-        if sched == "idle":
-            set_idle_policy(0)
-    except ReamerError as exc:
-        problem = f"cannot place the worker (cpus {cpus}, sched {sched}): {exc}"
-    threads_text, _, streams = threads.partition("s")  # "4" or "4s2": 4 threads in 2 OpenVINO streams
-    _worker_main(int(fd), problem, int(threads_text), backend_kind, model_path, [int(f) for f in shared_fds],
-                 json.loads(samples), int(streams or 1), precision, int(max_batch))
-
-
-def _write_now(fd: int, parts: list[bytes]) -> bytes:
-    """Write what a (non-blocking) socket takes of `parts` now, in gathered writes; the rest."""
-    views = [memoryview(p) for p in parts if p]
-    while views:
-        try:
-            n = os.writev(fd, views)
-        except InterruptedError:
-            continue
-        except BlockingIOError:
-            break
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views.pop(0))
-            else:
-                views[0], n = views[0][n:], 0
-    return b"".join(views)
-
-
-def _reply_through(fd: int, plan: Any, outputs: dict[str, Any], elapsed: float, flag: _Flag,
-                   heads: dict) -> tuple:
-    """Answer the client on its socket; the message for the parent."""
-    try:
-        parts = binary_reply(plan, outputs, elapsed, time.perf_counter(), heads)
-    except Exception:  # noqa: BLE001 - outputs unlike the plan: the job encodes them itself
-        return ("ok", outputs, elapsed)
-    flag.set(True)
-    try:
-        tail = _write_now(fd, parts)
-    except OSError as exc:  # the client went away: the job closes the connection
-        return ("reply_broken", f"{exc}", elapsed)
-    return ("replied", tail, elapsed)
-
-
-def _warm_up(backend: Any, samples_doc: dict | None) -> float:
-    """Two runs on the job's sample inputs (samples.py's rule); the second one's latency.
-    WorkerError naming the inputs and the runtime's reason when the model refuses them."""
-    from reamer.serve.samples import SampleSpec, explain_failure, plan_samples
-
-    plan = plan_samples(backend.inputs, SampleSpec.from_doc(samples_doc), backend.model_path)
-    warm = plan.batch(1)
-    try:
-        backend.run(warm)
-        t0 = time.perf_counter()
-        backend.run(warm)
-        return time.perf_counter() - t0
-    except Exception as exc:  # noqa: BLE001 - runtimes raise their own types
-        raise WorkerError(explain_failure(backend.model_path, plan, warm, exc),
-                          "give the traffic's shapes (--shape NAME:DIMS) or sample data (--input-data FILE) "
-                          "that the model accepts") from None
-
-
-def _batchability(backend: Any, samples_doc: dict | None) -> Any:
-    """Whether this model may be batched (batchability.decide); not batchable when the check itself fails."""
-    from reamer.serve.runtime.batchability import Batchability, decide
-
-    try:
-        return decide(backend, samples_doc)
-    except Exception as exc:  # noqa: BLE001 - never merge requests of a model we could not check
-        return Batchability(False, f"the batching check failed ({str(exc)[:300]}): served one request per run")
-
-
-def _worker_main(fd: int, problem: str, threads: int, backend_kind: str, model_path: str,
-                 shared_fds: list[int], samples_doc: dict | None = None, streams: int = 1,
-                 precision: str = "f32", max_batch: int = 0) -> None:
-    """Body of the worker process, after pinning: open the model, warm up, serve batches from the parent."""
-    conn = _Pipe(fd)
-    in_arena, out_arena, flag = _Arena(shared_fds[0]), _Arena(shared_fds[1]), _Flag(shared_fds[2])
-    fd_sock = socket.socket(fileno=os.dup(fd))  # receives the client sockets of reply-through requests
-    heads: dict = {}
-    if problem:
-        conn.send(("fatal", problem))
-        raise SystemExit(2)
-    try:
-        from reamer.serve.backends import open_backend
-
-        backend = open_backend(backend_kind, model_path, threads, streams, precision, static_batch_for(max_batch))
-    except BaseException as exc:  # noqa: BLE001 - any failure here must reach the parent as text
-        conn.send(("fatal", f"cannot open model {model_path} with {backend_kind}: {exc}"))
-        raise SystemExit(3)
-    try:
-        warm_latency = _warm_up(backend, samples_doc)
-    except BaseException as exc:  # noqa: BLE001
-        conn.send(("fatal", f"warm-up of {os.path.basename(model_path)} with {backend_kind} failed: {exc}"))
-        raise SystemExit(3)
-    batchability = _batchability(backend, samples_doc)
-    conn.send(("ready", {
-        "pid": os.getpid(),
-        "inputs": [(t.name, t.datatype, list(t.shape)) for t in backend.inputs],
-        "outputs": [(t.name, t.datatype, list(t.shape)) for t in backend.outputs],
-        "warmup_latency_s": warm_latency,
-        "precision": backend.precision,  # what it computes in: OpenVINO keeps f32 where the CPU has no bf16
-        "batchability": batchability.to_doc(),
-    }))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            break  # parent went away
-        if msg[0] == "stop":
-            break
-        plan = msg[2] if len(msg) > 2 else None
-        client_fd = -1
-        try:
-            if plan is not None:  # the client's socket follows the message
-                _, fds, _, _ = socket.recv_fds(fd_sock, 1, 1)
-                client_fd = fds[0]
-            if msg[0] == "run_shared":
-                inputs = in_arena.read(msg[1], copy=False)
-            else:
-                inputs = msg[1]
-            t0 = time.perf_counter()
-            outputs = backend.run(inputs)
-            elapsed = time.perf_counter() - t0
-            del inputs  # views of the arena
-            reply = _reply_through(client_fd, plan, outputs, elapsed, flag, heads) if plan is not None else None
-            # t0 travels too: perf_counter is the system-wide monotonic clock, so the parent can tell the
-            # hand-over to this process from the run and from the way back (Triton's compute_input/output)
-            if reply is not None and reply[0] != "ok":
-                conn.send((*reply, t0))
-            elif _shareable(outputs):
-                conn.send(("ok_shared", out_arena.write(outputs), elapsed, t0))
-            else:
-                conn.send(("ok", outputs, elapsed, t0))
-        except Exception as exc:  # noqa: BLE001
-            conn.send(("error", str(exc)))
-        finally:
-            if client_fd >= 0:
-                os.close(client_fd)
-    backend.close()
-
-
-# ---------------------------------------------------------------- parent side
 
 class InstanceWorker:
     """Parent-side handle of one supervised instance worker process.
@@ -389,8 +129,8 @@ class InstanceWorker:
         self.batch_ewma = 1.0
         self._proc: Any = None
         self._conn: Any = None
-        self._arenas: tuple[_Arena, _Arena] | None = None
-        self._flag: _Flag | None = None
+        self._arenas: tuple[Arena, Arena] | None = None
+        self._flag: ReplyFlag | None = None
         self._fd_sock: socket.socket | None = None  # the pipe's socket, to pass client sockets to the worker
         self._unread_replies = 0
         self._crashes: deque[float] = deque()
@@ -447,9 +187,9 @@ class InstanceWorker:
         parent_sock, child_sock = socket.socketpair()
         cpus = ",".join(str(c) for c in self.spec.cpus)
         if self._arenas is None:
-            self._arenas = (_Arena.create(f"reamer-instance-{self.index}-in"),
-                            _Arena.create(f"reamer-instance-{self.index}-out"))
-            self._flag = _Flag.create(f"reamer-instance-{self.index}-replying", size=1)
+            self._arenas = (Arena.create(f"reamer-instance-{self.index}-in"),
+                            Arena.create(f"reamer-instance-{self.index}-out"))
+            self._flag = ReplyFlag.create(f"reamer-instance-{self.index}-replying", size=1)
         shared_fds = [a.fd for a in self._arenas] + [self._flag.fd]
         try:
             proc = subprocess.Popen(
@@ -460,7 +200,7 @@ class InstanceWorker:
                 pass_fds=(child_sock.fileno(), *shared_fds), stdin=subprocess.DEVNULL)
         finally:
             child_sock.close()  # so a dead child gives EOF here
-        parent_conn = _Pipe(os.dup(parent_sock.fileno()))
+        parent_conn = Pipe(os.dup(parent_sock.fileno()))
         self._proc, self._conn, self._fd_sock, self._unread_replies = proc, parent_conn, parent_sock, 0
         deadline = time.monotonic() + self.start_timeout_s
         msg = None
@@ -588,7 +328,7 @@ class InstanceWorker:
             self._conn.recv()
             self._unread_replies -= 1
         plan = reply_to[1] if reply_to is not None else None
-        if _shareable(inputs):
+        if shareable(inputs):
             self._conn.send(("run_shared", self._arenas[0].write(inputs), plan))
         else:
             self._conn.send(("run", inputs, plan))
