@@ -47,7 +47,7 @@ test-hosts: install
 	$(PY) -m lab $(foreach p,$(PROFILES),--profile $(p))
 
 # Every benchmark with a figure in bench/RESULTS.md: `bench` at smoke settings (or the full run where it is
-# short; about 10 minutes on 2 cores), `bench-full` with each figure's own command (hours; rewrites RESULTS.md).
+# short; about 13 minutes on 2 cores), `bench-full` with each figure's own command (hours; rewrites RESULTS.md).
 bench: install
 	$(PY) -m bench.run_all
 

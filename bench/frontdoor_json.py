@@ -41,7 +41,47 @@ def door_source(rev: str) -> str:
     raise SystemExit(f"no REST front door at {rev}: give --before a commit of this repository")
 
 
+# Where the names an older front door imports live now (serve/ was split by purpose after a32fa24): each old
+# module path answers from the first of its successors that has the name.
+MOVED_SERVE_MODULES = {
+    "reamer.serve.batcher": ("reamer.serve.runtime.batcher",),
+    "reamer.serve.tensors": ("reamer.serve.protocol.tensors",),
+    "reamer.serve.v2wire": ("reamer.serve.protocol.v2wire", "reamer.serve.doors.http_framing"),
+    "reamer.serve.worker": ("reamer.serve.runtime.instances", "reamer.serve.runtime.worker",
+                            "reamer.serve.runtime.instance_worker"),
+}
+
+
+def alias_moved_modules() -> None:
+    """Let an older front door's `from reamer.serve.X import ...` find the names where they are now."""
+    import types
+
+    for old, successors in MOVED_SERVE_MODULES.items():
+        if importlib.util.find_spec(old.rpartition(".")[0]) is None or old in sys.modules:
+            continue
+        try:
+            if importlib.util.find_spec(old) is not None:
+                continue  # still there: nothing moved
+        except ModuleNotFoundError:
+            pass
+        alias = types.ModuleType(old)
+
+        def lookup(name: str, successors: tuple[str, ...] = successors, old: str = old) -> object:
+            for new in successors:
+                try:
+                    module = importlib.import_module(new)
+                except ModuleNotFoundError:
+                    continue
+                if hasattr(module, name):
+                    return getattr(module, name)
+            raise AttributeError(f"{old}.{name} is in none of {', '.join(successors)}")
+
+        alias.__getattr__ = lookup  # type: ignore[method-assign]
+        sys.modules[old] = alias
+
+
 def load_before(rev: str):
+    alias_moved_modules()
     source = door_source(rev)
     path = Path(tempfile.mkdtemp()) / "frontdoor_before.py"
     path.write_text(source)
@@ -81,6 +121,8 @@ os.sched_setaffinity(0, [{door_cpu}])
 from reamer.serve.runtime.batcher import DynamicBatcher
 from reamer.serve.spec import InstanceSpec
 from reamer.serve.runtime.instances import InstanceWorker
+from bench.frontdoor_json import alias_moved_modules
+alias_moved_modules()
 spec = importlib.util.spec_from_file_location("door", {module!r})
 door_module = importlib.util.module_from_spec(spec); sys.modules["door"] = door_module; spec.loader.exec_module(door_module)
 

@@ -14,7 +14,7 @@ import platform
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -168,3 +168,12 @@ def replace_section(path: str | os.PathLike, heading: str, body: str, parent: st
 def command_and_machine(data: dict[str, Any]) -> str:
     """The first words of a RESULTS.md section: the run's command and the machine it ran on."""
     return f"Command: `{data['command']}` · machine: {data['machine']['cpu_model']}, {data['machine']['cpus']} cpus"
+
+
+def publish(text: str, results_md: str | None, write_section: Callable[[str, str], None]) -> int:
+    """Print a run's RESULTS.md section and write it into `results_md` when one is given (a smoke run passes
+    None); 0, main()'s exit status."""
+    print(text)
+    if results_md:
+        write_section(results_md, text)
+    return 0

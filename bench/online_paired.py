@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench.harness import RESULTS_DIR, command_line, loadavg, machine_info, replace_section, rotated
+from bench.harness import RESULTS_DIR, command_line, loadavg, machine_info, publish, replace_section, rotated
 
 from bench.online_peers import (PARENT, PEER_KINDS, SLOS_MS, HttpPeerServer, ReamerJob, Settled,
                                 Step, _feeds, _searches, reference_outputs, run_models, step_seconds)
@@ -346,11 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                lambda _, name, model, work: compare_model(name, model, cpus, args, work,
                                                           lambda text: print(text, flush=True)),
                args.model_dir, data, Path(args.out) / "online_paired.json")
-    text = render(data)
-    print(text)
-    if args.results_md and not args.quick:
-        write_section(args.results_md, text)
-    return 0
+    return publish(render(data), None if args.quick else args.results_md, write_section)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ reamer's client with the same request and arrivals. Its first answer is checked 
 (info.check in the JSON). Two ratios per SLO: reamer / the best in-process peer, reamer / the best HTTP peer.
 Every contender sees the same Poisson arrivals (reamer.serve.measure.loadgen.poisson_schedule, seed `--seed`, the same
 pattern stretched to each rate) and the same sample request. A rate passes when no request fails, p99 <= SLO
-(reamer.plan.statistics.p99, as the job's own /stats computes it) with each refused (shed, 503) request counted as
-answered too late (a refusal misses the SLO as a late answer does, no more: a peer may answer as many late as
-reamer may refuse, under 1 %), and the server keeps up with the offered rate (the median latency of the last quarter of the
+(nearest rank, reamer.plan.statistics.nearest_rank_percentile: at least 99 % of the requests within the SLO) with
+each refused (shed, 503) request counted as answered too late (a refusal misses the SLO as a late answer does, no
+more: a peer may answer 1 % late, reamer may refuse 1 %), and the server keeps up with the offered rate (the median latency of the last quarter of the
 arrivals at most SLO/4 above that of the first half: a growing queue shows there; steps last long enough for
 that, `step_seconds`). The rate
 search: geometric steps from 0.7x the contender's closed-loop throughput until a pass and a fail bracket the answer, then
@@ -59,8 +59,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from bench.harness import command_and_machine, RESULTS_DIR, ROOT, bench_command, command_line, loadavg, machine_info, read_section, \
-    replace_section, rotated, write_json
+from bench.harness import (RESULTS_DIR, ROOT, bench_command, command_and_machine, command_line, loadavg, machine_info,
+                           publish, read_section, replace_section, rotated, write_json)
 from bench.models import resolve_model
 
 from reamer.plan import statistics
@@ -134,10 +134,11 @@ def step_from(rate_rps: float, duration_s: float, scheduled_s: Sequence[float], 
               detail: str = "") -> Step:
     """A Step from per-request records (arrival offset s, latency ms from the arrival, "ok"/"shed"/"error")."""
     ok_lat = [lat for lat, st in zip(latency_ms, status) if st == "ok"]
-    p50, p99 = statistics.p50(ok_lat), statistics.p99(ok_lat)
+    # nearest rank: p99 <= SLO exactly when at least 99 % of the requests were within it, however late the rest
+    p50, p99 = statistics.p50(ok_lat), statistics.nearest_rank_percentile(ok_lat, 99)
     never_ms = 1e12  # a shed request: never answered
     judged = ok_lat + [never_ms for st in status if st == "shed"]
-    p99_with_shed = statistics.p99(judged)
+    p99_with_shed = statistics.nearest_rank_percentile(judged, 99)
     shift = p50 / 1e3 if ok_lat else 0.0
     completed = sum(st == "ok" and shift <= t + lat / 1e3 <= duration_s + shift
                     for t, lat, st in zip(scheduled_s, latency_ms, status))
@@ -1113,7 +1114,7 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {"command": command,
                             "machine": machine_info(), "cpus": cpus, "step_s": args.step,
                             "min_requests": args.min_requests,
-                            "steady_steps": True, "shed_counts_late": True,
+                            "steady_steps": True, "shed_counts_late": True, "p99_nearest_rank": True,
                             "max_step_s": args.max_step, "seed": args.seed,
                             "precision": args.precision, "client": args.client, "contenders": contenders,
                             "load_start": loadavg(),
@@ -1124,11 +1125,7 @@ def main(argv: list[str] | None = None) -> int:
         return row
 
     run_models(names, one, args.model_dir, data, Path(args.out) / "online_peers.json")
-    text = render(data)
-    print(text)
-    if args.results_md and not args.quick:
-        write_section(args.results_md, text)
-    return 0
+    return publish(render(data), None if args.quick else args.results_md, write_section)
 
 
 if __name__ == "__main__":

@@ -115,11 +115,18 @@ def main(argv: list[str] | None = None) -> int:
                               f"this host is {sys.platform}/{os.uname().machine}")
             shares = shares_for(args.venv)
             ensure_host_tools(log)
-            images = {}
+            images, broken = {}, {}
             for recipe in dict.fromkeys(PROFILES[name].image for name in names):
                 t = time.monotonic()
                 print(f"lab: image {recipe} (recipe-keyed cache, build log {log})", flush=True)
-                images[recipe] = image = build_image(log, rebuild=args.rebuild, recipe=RECIPES[recipe])
+                try:
+                    images[recipe] = image = build_image(log, rebuild=args.rebuild, recipe=RECIPES[recipe])
+                except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+                    # One image that cannot be built (e.g. a suite the mirror or keyring lacks) fails only the
+                    # profiles that boot it; the others still run.
+                    broken[recipe] = f"image {recipe} could not be built: {exc}"
+                    print(f"lab: {broken[recipe]}", flush=True)
+                    continue
                 print(f"lab: image {recipe} {image.directory} (kernel {image.kernel_version}) ready in "
                       f"{time.monotonic() - t:.0f} s", flush=True)
             models = build_models(args.out, args.venv)
@@ -133,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             profile = PROFILES[name]
             out_dir = args.out / name
+            if profile.image in broken:
+                results.append(ProfileResult(name, "error", reason=broken[profile.image], report=str(log)))
+                continue
             print(f"lab: booting {name} ({profile.description})", flush=True)
             run = run_profile(images[profile.image], profile, out_dir, shares, PROFILE_TIMEOUT_S, args.pytest_args,
                               {"REAMER_LAB_MODELS": str(models)})

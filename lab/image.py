@@ -48,7 +48,8 @@ GUEST_DIR = Path(__file__).resolve().parent / "guest"
 @dataclass(frozen=True)
 class Recipe:
     """What goes into one image. The bookworm recipe hashes exactly as the single image before it did, so
-    its cached image stays valid."""
+    its cached image stays valid; that hash leaves out its name and disable_units (changing those for
+    bookworm needs the trailing format number in hash_fields bumped)."""
     name: str
     suite: str
     packages: tuple[str, ...]

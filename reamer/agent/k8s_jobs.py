@@ -13,14 +13,11 @@ Posting the same container again returns the record it has (a restarted plugin r
 """
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 from reamer.host.container import ContainerInfo, ContainerNotFound, resolve_container
 from reamer.host.errors import HostError, ReamerError
-
-log = logging.getLogger("reamer.k8s")
 
 SOURCE = "k8s"
 
@@ -125,6 +122,8 @@ class K8sTraining:
             except HostError as error:
                 self._say(doc, f"{error.message}; fix: {error.fix}")
                 return
+            if doc.get("demoted") or agent.rt_disabled:  # demote-all (or RT throttling off) came first
+                agent.pinner.demote(name)
             doc.update(state="running", pids=info.pids, placement=placement.to_doc(), message="")
             agent.store.put_job("training", name, doc)
             agent._pin_state[name] = state

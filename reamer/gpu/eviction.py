@@ -9,20 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-import psutil
-
 from reamer.gpu.policies import EvictionStep
-from reamer.host.identity import ProcessIdentity, identity_of, is_running, send_signal
-
-
-def process_alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
+from reamer.host.identity import ProcessIdentity, identity_of, is_running, process_alive, send_signal
 
 
 @dataclass

@@ -26,11 +26,12 @@ from typing import Any, Iterable, Literal
 from reamer.gpu import policies
 from reamer.gpu.config import GpuConfig
 from reamer.gpu.errors import GpuError, LimitError, MpsError, NoGpuDriver, UnknownJob
-from reamer.gpu.eviction import EvictionResult, execute_eviction, process_alive
+from reamer.gpu.eviction import EvictionResult, execute_eviction
 from reamer.gpu.mps import MpsDaemon, ServerInfo, find_control_binary, pinned_mem_env
 from reamer.gpu.nvml import GpuInfo, GpuSample, Nvml
 from reamer.gpu.state import JOBS_FILE, RECENT_EVENTS, GpuEvents, GpuState, JsonFileState, MemoryEvents
-from reamer.host.identity import ProcessIdentity, boot_clock, boot_id, is_running, start_seconds, start_time
+from reamer.host.identity import (ProcessIdentity, boot_clock, boot_id, is_running, process_alive, start_seconds,
+                                  start_time)
 
 JobKind = Literal["training", "inference"]
 JOB_KINDS = ("training", "inference")

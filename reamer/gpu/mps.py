@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reamer.gpu.errors import MpsError, NoGpuDriver
+from reamer.host.identity import pid_exists
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
 # MPS puts Unix sockets in the pipe directory; sun_path holds 107 bytes, and it adds its own names.
@@ -103,13 +104,7 @@ class MpsDaemon:
             pid = int((self.pipe_dir / PID_FILE).read_text().strip())
         except (OSError, ValueError):
             return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass  # alive, owned by someone else
-        return pid
+        return pid if pid_exists(pid) else None
 
     def is_running(self) -> bool:
         return self.pid() is not None

@@ -227,3 +227,26 @@ def start_seconds(pid: int, proc_root: str | Path = "/proc") -> float | None:
     """When PID started, in seconds since boot (start_time over the clock tick), None when it does not exist."""
     ticks = start_time(pid, proc_root)
     return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
+
+
+def pid_exists(pid: int) -> bool:
+    """Some process has `pid` now (another user's too: kill(pid, 0) refused is still a process)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True

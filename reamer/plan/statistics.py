@@ -26,6 +26,16 @@ def percentile(values: Iterable[float] | np.ndarray, q: float) -> float:
     return float(np.percentile(data, q))
 
 
+def nearest_rank_percentile(values: Iterable[float] | np.ndarray, q: float) -> float:
+    """The smallest of `values` with at least `q` % of them at or below it (nearest rank); NaN when there are none.
+    The pass/fail reading of an SLO: "p99 <= SLO" exactly when at least 99 % were within it, however late the rest.
+    Used where a rate is judged pass or fail (bench/online_peers); everything reported uses `percentile`."""
+    data = values if isinstance(values, np.ndarray) else np.fromiter(values, dtype=float)
+    if not data.size:
+        return math.nan
+    return float(np.percentile(data, q, method="inverted_cdf"))
+
+
 def p50(values: Iterable[float] | np.ndarray) -> float:
     """The median (see `percentile`); NaN when there are no values."""
     return percentile(values, 50)

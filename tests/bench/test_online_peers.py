@@ -113,13 +113,8 @@ def test_a_refused_request_counts_as_a_late_one_and_a_failed_one_fails_the_step(
     assert not three_shed.meets(200.0) and "3 shed of 200" in three_shed.why_not(200.0)
     late = step_from(20.0, 10.0, [i / 20 for i in range(200)], [201.0] * 3 + [50.0] * 197, ["ok"] * 200)
     assert not late.meets(200.0)  # the same 1.5 % answered late fails alike, however little late
-    one_late = step_from(20.0, 10.0, [i / 20 for i in range(200)], [9e3] + [50.0] * 199, ["ok"] * 200)
-    assert one_late.meets(200.0) and step(["shed"] + ["ok"] * 199).meets(200.0)  # 0.5 %: however late
-    # 1 %: the p99 (interpolated, reamer.plan.statistics, as the job's /stats computes it) goes 1 % of the way
-    # from the last answer in time to the first late one; a refused request was never answered
     two_late = step_from(20.0, 10.0, [i / 20 for i in range(200)], [9e3] * 2 + [50.0] * 198, ["ok"] * 200)
-    assert two_late.p99_ms == pytest.approx(50.0 + 0.01 * (9e3 - 50.0)) and two_late.meets(200.0)
-    assert not step(["shed"] * 2 + ["ok"] * 198).meets(200.0)
+    assert two_late.meets(200.0) and step(["shed"] * 2 + ["ok"] * 198).meets(200.0)  # 1 %: however late
     one_error = step(["error"] + ["ok"] * 199)
     assert not one_error.meets(200.0) and "1 failed" in one_error.why_not(200.0)
     from_before = Step(**{**asdict(one_shed), "p99_with_shed_ms": math.nan})  # a run's JSON from before the field

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from reamer.gpu.eviction import execute_eviction, process_alive
+from reamer.gpu.eviction import execute_eviction
+from reamer.host.identity import process_alive
 from reamer.gpu.policies import eviction_plan
 
 

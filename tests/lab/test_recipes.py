@@ -74,3 +74,42 @@ def test_the_cri_stubs_have_the_calls_the_client_makes():
                  "ContainerStatus", "StopPodSandbox", "RemovePodSandbox", "Status", "Version"):
         assert call in service.methods_by_name
     assert api_pb2.DESCRIPTOR.package == "runtime.v1" and RuntimeServiceStub
+
+
+def test_an_image_that_cannot_be_built_fails_only_the_profiles_that_boot_it(monkeypatch, capsys):
+    import shutil
+    import tempfile
+
+    import lab.__main__ as driver
+    from lab.image import Image
+    from lab.vm import VmRun
+
+    out = Path(tempfile.mkdtemp(prefix="lab-test-", dir=driver.REPO / "build"))
+    booted: list[str] = []
+
+    def build(log, *, rebuild=False, recipe=RECIPES["bookworm"]):
+        if recipe.name == "trixie-k8s":
+            raise RuntimeError("mmdebstrap failed with exit code 1")
+        return Image(out, out / "k", out / "i", out / "r", "6.1.0-test")
+
+    def run_profile(image, profile, out_dir, *rest):
+        booted.append(profile.name)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "junit.xml").write_text('<testsuite tests="1" failures="0" errors="0" skipped="0">'
+                                           '<testcase classname="t" name="ok"/></testsuite>')
+        return VmRun(profile.name, out_dir, booted=True, boot_s=1.0, wall_s=2.0)
+
+    monkeypatch.setattr(driver, "build_image", build)
+    monkeypatch.setattr(driver, "run_profile", run_profile)
+    monkeypatch.setattr(driver, "ensure_host_tools", lambda log: None)
+    monkeypatch.setattr(driver, "shares_for", lambda venv: {})
+    monkeypatch.setattr(driver, "build_models", lambda out, venv: out)
+    try:
+        rc = driver.main(["--profile", "v2-k8s", "--profile", "v1", "--out", str(out)])
+        summary = json.loads((out / "summary.json").read_text())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    status = {p["profile"]: p for p in summary["profiles"]}
+    assert booted == ["v1"] and status["v1"]["status"] == "passed"
+    assert status["v2-k8s"]["status"] == "error" and "trixie-k8s could not be built" in status["v2-k8s"]["reason"]
+    assert rc == 1 and "FAILED" in capsys.readouterr().out

@@ -1,16 +1,14 @@
 """Fixtures for the NRI tests: a private containerd 1.7 (NRI on), a private agent, and `reamer nri run`."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from tests.agent.conftest import REPO, Daemon, _new_daemon, needs_rt_host
+from tests.agent.conftest import REPO, Daemon, _new_daemon
 from tests.conftest import wait_for
 from tests.nri.runtime import Containerd, Cri, missing
 
@@ -91,5 +89,3 @@ def cri(runtime: Containerd) -> Iterator[Cri]:
     yield client
     client.close()
 
-
-__all__ = ["needs_containerd17", "needs_rt_host", "PluginProcess", "Path", "os"]

@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -57,3 +57,21 @@ def test_only_root_or_the_admin_group_hands_over_kubernetes_containers(as_user, 
                                 {"name": NAME, "k8s_container": CONTAINER, "cores": 1})
     assert status == 403 and body["error"]["data"]["rule"] == "k8s_container"
     assert secure_daemon.client.request("GET", "/v1/training-jobs")["jobs"] == []
+
+
+def test_cli_prints_the_capacity_and_the_kubectl_patch_that_publishes_it(daemon_factory):
+    import json
+    import subprocess
+    import sys
+
+    agent = daemon_factory(reserved_cpus=[])
+    base = [sys.executable, "-m", "reamer.cli.main", "--socket", agent.socket]
+    shown = json.loads(subprocess.run(base + ["-o", "json", "nri", "capacity"], capture_output=True, text=True,
+                                      timeout=120, check=True).stdout)
+    assert shown["reamer.io/spare-cores"] == str(agent.client.capacity()["spare_cores"])
+    command = subprocess.run(base + ["nri", "capacity", "--kubectl-patch", "gpu-7"], capture_output=True,
+                             text=True, timeout=120, check=True).stdout
+    assert command.startswith("kubectl patch node gpu-7 --subresource=status --type=json -p ")
+    assert "/status/capacity/reamer.io~1spare-cores" in command
+    refused = subprocess.run(base + ["nri", "capacity", "--apply"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "--kubectl-patch NODE" in refused.stderr and "Traceback" not in refused.stderr

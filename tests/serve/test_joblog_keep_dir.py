@@ -14,7 +14,7 @@ from tests.conftest import IS_ROOT
 
 NOBODY = 65534
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
-JOBLOG = Path(__file__).resolve().parents[2] / "reamer" / "serve" / "joblog.py"
+JOBLOG = Path(__file__).resolve().parents[2] / "reamer" / "serve" / "runtime" / "joblog.py"
 
 
 def test_the_copy_goes_to_keep_dir(tmp_path: Path) -> None:

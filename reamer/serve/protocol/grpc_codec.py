@@ -84,7 +84,7 @@ def decode_infer_request(req: Any, model_inputs: list[TensorInfo], model_outputs
                                  + ("" if has_contents else "; the request has no raw_input_contents either"),
                                  "send as many values as the shape holds")
             try:
-                arr = np.array(values, dtype=dtype)
+                arr = _typed(values, dtype)
             except (OverflowError, ValueError) as exc:
                 raise BadRequest(f"{where}.contents.{field} does not fit {datatype} ({exc})",
                                  f"send values in the range of {datatype}") from None
@@ -97,6 +97,18 @@ def decode_infer_request(req: Any, model_inputs: list[TensorInfo], model_outputs
     answer_raw = bool(raw) or not inputs or any(CONTENTS_FIELD.get(types[n]) is None and types[n] != "BYTES"
                                                 for n in wanted)
     return DecodedGrpcRequest(inputs, wanted, answer_raw)
+
+
+def _typed(values: Any, dtype: np.dtype) -> np.ndarray:
+    """Typed contents as `dtype`; OverflowError for a value outside its range. (protobuf's upb containers hand
+    numpy their 32- or 64-bit buffer, whose cast to a narrower type would wrap a value silently.)"""
+    wide = np.asarray(values)
+    if wide.dtype != dtype and dtype.kind in "iu" and wide.size:
+        info = np.iinfo(dtype)
+        low, high = wide.min(), wide.max()
+        if low < info.min or high > info.max:
+            raise OverflowError(f"Python integer {low if low < info.min else high} out of bounds for {dtype}")
+    return wide.astype(dtype, copy=False)
 
 
 def _split_raw(raw: bytes, count: int, where: str) -> list[bytes]:
