@@ -34,7 +34,7 @@ test-packages:
 	  if [ -n "$$missing" ]; then \
 	    echo "installing $$missing (tests/slurm)"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null) \
-	      || echo "could not install $$missing: the Slurm tests will skip"; \
+	      || echo "could not install $$missing: the Slurm and NRI tests will skip"; \
 	  fi; \
 	  scripts/get_containerd17.sh >/dev/null || echo "could not fetch containerd 1.7: tests/nri will skip"; \
 	fi

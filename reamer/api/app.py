@@ -147,8 +147,8 @@ def build_app(agent: "Agent", metrics: "AgentMetrics | None" = None) -> FastAPI:
 
     app = FastAPI(title="reamer agent API", version="1", description="Node agent: training pinning, CPU "
                   "inference co-location, GPU sharing. All errors: {\"error\": {\"code\", \"message\"}}. "
-                  "Only callers on the agent's Unix socket are served; who may do what: the README's security "
-                  "section.", responses=COMMON_ERRORS)
+                  "Only callers on the agent's Unix socket are served; who may do what: docs/security.md.",
+                  responses=COMMON_ERRORS)
     metrics = metrics or AgentMetrics(agent)
     app.state.agent = agent
     app.state.metrics = metrics

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -306,3 +307,15 @@ def add_output_option(group: click.Group) -> None:
         command.params.append(click.Option(
             [*names, "output_format"], type=click.Choice(OUTPUT_FORMATS), default=None, expose_value=False,
             callback=_set_output, show_default=False, help="Output format (also accepted before the command)."))
+
+
+def wait_for_capacity_change(client: Any, since: int, seconds: float) -> int:
+    """Wait up to `seconds` for a `capacity_changed` event after event `since` (long polls of at most 20 s, so a
+    dropped connection is noticed); the last event id seen, for the next wait. Used by the capacity reporters."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        answer = client.events(since=since, wait=min(left, 20.0))
+        since = answer.last_id
+        if any(e.kind == "capacity_changed" for e in answer.events):
+            break
+    return since

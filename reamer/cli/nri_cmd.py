@@ -18,7 +18,7 @@ import time
 
 import click
 
-from reamer.cli.common import CliContext, ReamerGroup, emit, pass_cli, render_fields
+from reamer.cli.common import CliContext, ReamerGroup, emit, pass_cli, render_fields, wait_for_capacity_change
 
 RECONNECT_S = 2.0
 SYNC_WAIT_S = 60.0
@@ -82,7 +82,8 @@ def run(cli: CliContext, nri_socket: str, name: str, index: str, once: bool, sta
 
 def kubectl_patch(node: str, resources: dict[str, str]) -> list[str]:
     """`kubectl patch node NODE --subresource=status` adding the extended resources to its capacity (JSON
-    patch; "/" in a resource name is "~1"). kubectl 1.24+; older ones: see the README's proxy + curl form."""
+    patch; "/" in a resource name is "~1"). kubectl 1.24+; older ones: see
+    docs/scheduler-authors.md's proxy + curl form."""
     ops = [{"op": "add", "path": "/status/capacity/" + name.replace("~", "~0").replace("/", "~1"), "value": value}
            for name, value in sorted(resources.items())]
     return ["kubectl", "patch", "node", node, "--subresource=status", "--type=json", "-p", json.dumps(ops)]
@@ -121,12 +122,7 @@ def capacity(cli: CliContext, node: str | None, apply: bool, every: float | None
             sys.stdout.flush()
             if not every:
                 return
-            deadline = time.monotonic() + every
-            while (left := deadline - time.monotonic()) > 0:
-                answer = client.events(since=since, wait=min(left, 20.0))
-                since = answer.last_id
-                if any(e.kind == "capacity_changed" for e in answer.events):
-                    break
+            since = wait_for_capacity_change(client, since, every)
 
 
 def _run_kubectl(command: list[str]) -> None:

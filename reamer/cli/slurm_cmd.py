@@ -13,7 +13,7 @@ import time
 
 import click
 
-from reamer.cli.common import CliContext, ReamerGroup, pass_cli
+from reamer.cli.common import CliContext, ReamerGroup, pass_cli, wait_for_capacity_change
 
 
 def register(cli: click.Group) -> None:
@@ -62,9 +62,4 @@ def report(cli: CliContext, node: str | None, gres_name: str, feature: str, base
             sys.stdout.flush()  # a line per report, also when stdout is a pipe (the journal)
             if once:
                 return
-            deadline = time.monotonic() + every
-            while (left := deadline - time.monotonic()) > 0:
-                answer = client.events(since=since, wait=min(left, 20.0))
-                since = answer.last_id
-                if any(e.kind == "capacity_changed" for e in answer.events):
-                    break
+            since = wait_for_capacity_change(client, since, every)

@@ -6,7 +6,7 @@ and the daemon runs with CUDA_VISIBLE_DEVICES=<uuid>, so its server sees exactly
 stdin, as `echo CMD | nvidia-cuda-mps-control` does. Server-level limits (set_active_thread_percentage,
 set_device_pinned_mem_limit) and defaults apply only to clients that connect afterwards.
 
-What the real binary does (driver 580.159.04 on an H100, README "verified on real hardware"): it exits 0
+What the real binary does (driver 580.159.04 on an H100, docs/operators.md "verified on real hardware"): it exits 0
 when it refuses a command and says why on stdout ("Server 123 not found", 'Unknown command "x"'); it
 ignores an out-of-range value without a word (the setters echo the value in force); `quit` with clients
 connected does not return until they have exited, and the daemon answers no other command meanwhile.

@@ -1,7 +1,7 @@
 """reamer's NRI plugin: training containers get whole cores from the agent before they start; inference
 containers get the idle cores; every other container is left exactly as the runtime made it.
 
-Decisions (see the README's Kubernetes section):
+Decisions (see docs/scheduler-authors.md, "Kubernetes (NRI)"):
 - The agent owns every reservation (keyed by container id, durable in its store); the plugin keeps only a
   cache it rebuilds at Synchronize, so a restart of either loses nothing.
 - cpuset.cpus only: memory placement (cpuset.mems) stays the kernel's, as with reamer's other pinning, so a

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 if TYPE_CHECKING:
     from reamer.plan.partition import Candidate
 
-# cpu ms per request before the job has measured its own: a small request (the README's measurements, 2-cpu
+# cpu ms per request before the job has measured its own: a small request (docs/model-owners.md's measurements, 2-cpu
 # Xeon VM: 0.7 ms for a BERT request as JSON, 2.7 ms for a ResNet-50 image as binary tensors, 8.5 ms as JSON)
 DEFAULT_FRONTDOOR_CPU_MS = 1.0
 

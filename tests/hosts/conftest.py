@@ -46,7 +46,7 @@ def _profile_runs_unmarked_tests() -> bool:
 
 @pytest.fixture(scope="session")
 def service():
-    """reamer installed as README's "Operating the service" tells an operator (the virtualenv is the
+    """reamer installed as docs/operators.md's "Operating the service" tells an operator (the virtualenv is the
     checkout's, already installed by `make test-hosts`), started with `systemctl enable --now reamer`.
     Returns how long `systemctl enable --now` took (it returns once the agent sent READY=1)."""
     import time

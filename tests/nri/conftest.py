@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.agent.conftest import REPO, Daemon, _new_daemon
+from tests.agent.conftest import REPO, Daemon, started_daemon
 from tests.conftest import wait_for
 from tests.nri.runtime import Containerd, Cri, missing
 
@@ -66,12 +66,8 @@ def runtime() -> Iterator[Containerd]:
 
 @pytest.fixture(scope="module")
 def agent(runtime: Containerd) -> Iterator[Daemon]:
-    daemon = _new_daemon(reserved_cpus=[])
-    try:
-        daemon.start()
+    with started_daemon(reserved_cpus=[]) as daemon:
         yield daemon
-    finally:
-        daemon.cleanup()
 
 
 @pytest.fixture(scope="module")

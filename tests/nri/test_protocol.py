@@ -114,6 +114,8 @@ def connected(tmp_path):
     plugin = Recorder()
     stub = Stub(plugin, "reamer", "42", path)
     stub.connect()
+    # the runtime end answers the registration from inside its constructor: the list fills just after
+    wait_for(lambda: accepted, timeout=10, what="the fake runtime to be accepted")
     yield stub, plugin, accepted[0]
     stub.close()
     accepted[0].trunk.close()

@@ -263,7 +263,7 @@ def test_every_event_kind_a_job_emits_is_let_through():
     from reamer.serve.job_channel import JOB_EVENT_KINDS
 
     emitted = set()
-    for source in Path(reamer.serve.__file__).parent.glob("*.py"):
+    for source in Path(reamer.serve.__file__).parent.rglob("*.py"):
         text = source.read_text()
         emitted |= set(re.findall(r'(?:append_event\([^,]+,|_event\(|_fault\()\s*"([a-z_]+)"', text))
     assert emitted and emitted <= JOB_EVENT_KINDS, sorted(emitted - JOB_EVENT_KINDS)

@@ -353,7 +353,7 @@ class LinuxDeviceCgroup(_message.Message):
     major: OptionalInt64
     minor: OptionalInt64
     access: str
-    def __init__(self, allow: _Optional[bool] = ..., type: _Optional[str] = ..., major: _Optional[_Union[OptionalInt64, _Mapping]] = ..., minor: _Optional[_Union[OptionalInt64, _Mapping]] = ..., access: _Optional[str] = ...) -> None: ...
+    def __init__(self, allow: bool = ..., type: _Optional[str] = ..., major: _Optional[_Union[OptionalInt64, _Mapping]] = ..., minor: _Optional[_Union[OptionalInt64, _Mapping]] = ..., access: _Optional[str] = ...) -> None: ...
 
 class LinuxResources(_message.Message):
     __slots__ = ("memory", "cpu", "hugepage_limits", "blockio_class", "rdt_class", "unified", "devices")
@@ -477,7 +477,7 @@ class ContainerUpdate(_message.Message):
     container_id: str
     linux: LinuxContainerUpdate
     ignore_failure: bool
-    def __init__(self, container_id: _Optional[str] = ..., linux: _Optional[_Union[LinuxContainerUpdate, _Mapping]] = ..., ignore_failure: _Optional[bool] = ...) -> None: ...
+    def __init__(self, container_id: _Optional[str] = ..., linux: _Optional[_Union[LinuxContainerUpdate, _Mapping]] = ..., ignore_failure: bool = ...) -> None: ...
 
 class LinuxContainerUpdate(_message.Message):
     __slots__ = ("resources",)
@@ -541,7 +541,7 @@ class OptionalBool(_message.Message):
     __slots__ = ("value",)
     VALUE_FIELD_NUMBER: _ClassVar[int]
     value: bool
-    def __init__(self, value: _Optional[bool] = ...) -> None: ...
+    def __init__(self, value: bool = ...) -> None: ...
 
 class OptionalFileMode(_message.Message):
     __slots__ = ("value",)

@@ -102,8 +102,11 @@ def decode_infer_request(req: Any, model_inputs: list[TensorInfo], model_outputs
 def _typed(values: Any, dtype: np.dtype) -> np.ndarray:
     """Typed contents as `dtype`; OverflowError for a value outside its range. (protobuf's upb containers hand
     numpy their 32- or 64-bit buffer, whose cast to a narrower type would wrap a value silently.)"""
-    wide = np.asarray(values)
-    if wide.dtype != dtype and dtype.kind in "iu" and wide.size:
+    if dtype.kind not in "iu":
+        return np.asarray(values, dtype=dtype)
+    # through the widest type of the same signedness: a uint64 near 2**64 stays exact (no float on the way)
+    wide = np.asarray(values, dtype=np.int64 if dtype.kind == "i" else np.uint64)
+    if wide.dtype != dtype and wide.size:
         info = np.iinfo(dtype)
         low, high = wide.min(), wide.max()
         if low < info.min or high > info.max:

@@ -5,7 +5,7 @@ import warnings
 
 from tests.hosts.cri import api_pb2 as tests_dot_hosts_dot_cri_dot_api__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class RuntimeServiceStub:
+class RuntimeServiceStub(object):
     """Runtime service defines the public APIs for remote container runtimes
     """
 
@@ -177,7 +177,7 @@ class RuntimeServiceStub:
                 _registered_method=True)
 
 
-class RuntimeServiceServicer:
+class RuntimeServiceServicer(object):
     """Runtime service defines the public APIs for remote container runtimes
     """
 
@@ -560,7 +560,7 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class RuntimeService:
+class RuntimeService(object):
     """Runtime service defines the public APIs for remote container runtimes
     """
 
@@ -1321,7 +1321,7 @@ class RuntimeService:
             _registered_method=True)
 
 
-class ImageServiceStub:
+class ImageServiceStub(object):
     """ImageService defines the public APIs for managing images.
     """
 
@@ -1358,7 +1358,7 @@ class ImageServiceStub:
                 _registered_method=True)
 
 
-class ImageServiceServicer:
+class ImageServiceServicer(object):
     """ImageService defines the public APIs for managing images.
     """
 
@@ -1437,7 +1437,7 @@ def add_ImageServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class ImageService:
+class ImageService(object):
     """ImageService defines the public APIs for managing images.
     """
 
