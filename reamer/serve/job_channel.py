@@ -33,7 +33,7 @@ from typing import Any, Collection, Union
 from reamer.host.safe_files import UntrustedFileError, UntrustedFileMissing, open_untrusted
 from reamer.serve.spec import EVENTS_FILE, STATUS_FILE, JobStatus
 
-# Every kind a job emits (serve/job.py, serve/worker.py, serve/offline.py, the batcher's faults): anything else
+# Every kind a job emits (serve/runtime/: job.py, instance_worker.py, offline.py, the batcher's faults): anything else
 # is dropped. tests/security/test_channel_fuzz.py checks that serve/ emits no other.
 JOB_EVENT_KINDS = frozenset({
     "failed", "done", "overload", "frontdoor_saturated", "reconfigured", "reload_failed",

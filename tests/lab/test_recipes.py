@@ -84,6 +84,7 @@ def test_an_image_that_cannot_be_built_fails_only_the_profiles_that_boot_it(monk
     from lab.image import Image
     from lab.vm import VmRun
 
+    (driver.REPO / "build").mkdir(exist_ok=True)  # a clean checkout has none yet
     out = Path(tempfile.mkdtemp(prefix="lab-test-", dir=driver.REPO / "build"))
     booted: list[str] = []
 
