@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from reamer.host.container import ContainerInfo, ContainerNotFound, resolve_container
-from reamer.host.errors import HostError, ReamerError
+from reamer.host.errors import HostError
 
 SOURCE = "k8s"
 
@@ -63,17 +63,11 @@ class K8sTraining:
             else:
                 existing = False
                 agent.check_new_training(name)
-                cpus = list(agent.cores.allocate(name, req.get("cores") or 1))
-                doc = {"name": name, "pids": [], "cpus": cpus, "priority": priority, "source": SOURCE,
+                doc = {"name": name, "pids": [], "priority": priority, "source": SOURCE,
                        "source_ref": container_id, "k8s_pod": req.get("k8s_pod") or "", "state": "pending",
                        "created_at": time.time(), "changes": [], "demoted": False, "owner_uid": caller.uid,
                        "owner_admin": caller.is_admin, "message": "waiting for the container's processes"}
-                try:
-                    agent.store.put_job("training", name, doc)
-                except ReamerError:
-                    agent.cores.release(name)
-                    raise
-                agent.training[name] = doc
+                cpus = agent.record_new_training(name, req.get("cores") or 1, doc)
                 agent.events.emit("training_pending", f"{name}: Kubernetes container {container_id[:12]} of pod "
                                   f"{doc['k8s_pod'] or '?'} holds cpus {cpus} until it runs", job=name,
                                   data={"cpus": cpus, "k8s_container": container_id})

@@ -381,6 +381,19 @@ class Agent:
         check_priority(caller, priority, self.rules)
         return priority
 
+    def record_new_training(self, name: str, cores: int, doc: dict[str, Any]) -> list[int]:
+        """Take `cores` whole cores for a new training job and record `doc` with them, all or nothing (the cores go
+        back when the store refuses). Under the agent's lock; attaches and Kubernetes reservations start this way."""
+        cpus = list(self.cores.allocate(name, cores))
+        doc["cpus"] = cpus
+        try:
+            self.store.put_job("training", name, doc)
+        except ReamerError:
+            self.cores.release(name)
+            raise
+        self.training[name] = doc
+        return cpus
+
     def check_new_training(self, name: str) -> None:
         """Under the lock: a new training job `name` may be attached now."""
         if name in self.training:
@@ -403,18 +416,11 @@ class Agent:
             placement = self.pinner.place(name, source, pids, ref)
             placement.owner_uid, placement.privileged = caller.uid, caller.is_admin
             self.pinner.check_budget(name, placement)  # before inference leaves the cores for it
-            cores = req.get("cores") or wanted or 1
-            cpus = list(self.cores.allocate(name, cores))
-            doc = {"name": name, "pids": pids, "cpus": cpus, "priority": priority, "source": source,
+            doc = {"name": name, "pids": pids, "priority": priority, "source": source,
                    "source_ref": ref, "state": "attaching", "created_at": time.time(),
                    "placement": placement.to_doc(), "changes": [], "demoted": False, "owner_uid": caller.uid,
                    "owner_admin": caller.is_admin}
-            try:
-                self.store.put_job("training", name, doc)
-            except ReamerError:
-                self.cores.release(name)
-                raise
-            self.training[name] = doc
+            cpus = self.record_new_training(name, req.get("cores") or wanted or 1, doc)
             before = {n: r.pid for n, r in self.supervisor.records.items()}
             changes = self._replan()
         # Inference leaves the cores before training is pinned there. The processes may change meanwhile:

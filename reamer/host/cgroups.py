@@ -479,7 +479,6 @@ class CgroupV2Driver(CgroupDriver):
         """The controllers `path` enables for its children (cgroup.subtree_control)."""
         return {item.lstrip("+") for item in _read(self._dir(path) / "cgroup.subtree_control").split()}
 
-    _subtree_control = subtree_control  # the name older tests use
 
     def create(self, path: str, controllers: Sequence[str] = DEFAULT_CONTROLLERS) -> None:
         rel = _relative(path)

@@ -187,8 +187,6 @@ needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="ne
 @needs_two_cpus
 def test_agent_gives_the_budget_back_on_clean_stop_and_takes_it_again(tmp_path, cgroup_name, job_cgroup,
                                                                       trainer_factory):
-    from reamer.agent import service
-
     trainer = trainer_factory(threads=2)
     move_into(job_cgroup, trainer.pid)
     agent = build_agent(agent_config(tmp_path, cgroup_name))
@@ -248,8 +246,6 @@ def test_attach_interrupted_by_a_crash_is_undone_by_the_next_agent(tmp_path, cgr
 @needs_two_cpus
 def test_another_manager_changing_the_cpuset_is_reported_not_fought(tmp_path, cgroup_name, job_cgroup,
                                                                     trainer_factory):
-    from reamer.agent import service
-
     trainer = trainer_factory(threads=1)
     move_into(job_cgroup, trainer.pid)
     agent = build_agent(agent_config(tmp_path, cgroup_name))

@@ -122,7 +122,7 @@ def test_change_log_records_before_it_writes_and_undoes_exactly(root: Path) -> N
     assert (root / path / "cpuset.cpus").read_text().strip() == "2-3"
     assert change_log.undo() == []
     assert (root / path / "cpuset.cpus").read_text().strip() == "0-5"
-    assert "cpuset" not in cgroups.CgroupV2Driver(root)._subtree_control("kubepods")
+    assert "cpuset" not in cgroups.CgroupV2Driver(root).subtree_control("kubepods")
     assert seen[-1][0] == [], "the record is empty once everything is undone"
 
 
